@@ -1,0 +1,41 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+CORE_SOURCES := $(wildcard torch_tpu/csrc/*.cpp torch_tpu/csrc/*.h)
+# The build must not try to load the (maybe stale) backend it is building.
+BUILD_ENV := TORCH_DEVICE_BACKEND_AUTOLOAD=0 MAX_JOBS=2
+
+.PHONY: setup demo test test-all bench clean
+
+setup: torch_tpu/_core.so
+
+$(VENV)/.deps: requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -r requirements-dev.txt
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.deps pyproject.toml setup.py
+	$(BUILD_ENV) $(PIP) install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+torch_tpu/_core.so: $(VENV)/.installed $(CORE_SOURCES)
+	$(BUILD_ENV) $(PY) setup.py -q build_ext --inplace
+	touch $@
+
+demo: setup
+	$(PY) -m models.demo
+
+test: setup
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) -m benchmarks.eager_overhead
+	$(PY) -m benchmarks.op_coverage
+
+clean:
+	rm -rf build torch_tpu/_core.so $(VENV)/.installed

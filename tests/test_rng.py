@@ -1,0 +1,102 @@
+"""tpu random number generation: reproducible, separate from the CPU's."""
+
+import pytest
+import torch
+
+
+def draws():
+    x = torch.ones(1000, device="tpu")
+    return (
+        torch.nn.functional.dropout(x, p=0.5, training=True).cpu(),
+        torch.randperm(50, device="tpu").cpu(),
+        torch.multinomial(torch.ones(20, device="tpu"), 10).cpu(),
+        torch.rand(5, device="tpu").cpu(),
+        torch.randn(5, device="tpu").cpu(),
+    )
+
+
+def test_manual_seed_makes_random_ops_reproducible():
+    torch.tpu.manual_seed(1234)
+    first = draws()
+    torch.tpu.manual_seed(1234)
+    second = draws()
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b)
+
+
+def test_independent_of_the_cpu_generator():
+    torch.manual_seed(1)  # seeds every device too, so the tpu seed comes after
+    torch.tpu.manual_seed(7)
+    first = draws()
+    torch.manual_seed(2)
+    torch.tpu.manual_seed(7)
+    torch.rand(100)  # consume CPU randomness
+    second = draws()
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b)
+
+
+def test_different_seeds_differ_and_dropout_is_a_real_mask():
+    torch.tpu.manual_seed(1)
+    a = draws()
+    torch.tpu.manual_seed(2)
+    b = draws()
+    assert not torch.equal(a[0], b[0])
+    kept = (a[0] != 0).float().mean().item()
+    assert 0.4 < kept < 0.6
+    assert set(a[0].unique().tolist()) <= {0.0, 2.0}
+    assert sorted(a[1].tolist()) == list(range(50))
+
+
+def test_torch_manual_seed_seeds_tpu_too():
+    torch.manual_seed(99)
+    a = torch.rand(4, device="tpu").cpu()
+    torch.manual_seed(99)
+    b = torch.rand(4, device="tpu").cpu()
+    torch.testing.assert_close(a, b)
+    assert torch.tpu.initial_seed() == 99
+
+
+def test_rng_state_round_trip():
+    torch.tpu.manual_seed(5)
+    state = torch.tpu.get_rng_state()
+    a = torch.rand(8, device="tpu").cpu()
+    torch.tpu.set_rng_state(state)
+    b = torch.rand(8, device="tpu").cpu()
+    torch.testing.assert_close(a, b)
+    states = torch.tpu.get_rng_state_all()
+    assert len(states) == torch.tpu.device_count()
+    c = torch.rand(8, device="tpu").cpu()
+    torch.tpu.set_rng_state_all(states)
+    torch.testing.assert_close(torch.rand(8, device="tpu").cpu(), c)
+
+
+def test_explicit_tpu_generator():
+    g = torch.Generator(device="tpu")
+    assert g.device.type == "tpu"
+    g.manual_seed(3)
+    a = torch.rand(6, device="tpu", generator=g).cpu()
+    g.manual_seed(3)
+    b = torch.rand(6, device="tpu", generator=g).cpu()
+    torch.testing.assert_close(a, b)
+    # A tpu generator draws the same stream as a CPU generator with its seed.
+    torch.testing.assert_close(a, torch.rand(6, generator=torch.Generator().manual_seed(3)))
+
+
+def test_devices_have_their_own_generators():
+    torch.tpu.manual_seed_all(11)
+    a0 = torch.rand(4, device="tpu:0").cpu()
+    a1 = torch.rand(4, device="tpu:1").cpu()
+    torch.testing.assert_close(a0, a1)  # same seed, separate streams
+    torch.tpu.manual_seed_all(11)
+    torch.rand(4, device="tpu:0")
+    torch.testing.assert_close(torch.rand(4, device="tpu:1").cpu(), a1)
+
+
+def test_seed_changes_initial_seed():
+    torch.tpu.seed()
+    s = torch.tpu.initial_seed()
+    torch.tpu.manual_seed(s)
+    assert torch.tpu.initial_seed() == s
+    with pytest.raises(RuntimeError):
+        torch.tpu.set_rng_state(torch.zeros(3, dtype=torch.uint8))

@@ -1,0 +1,310 @@
+#include "TpuAllocator.h"
+
+#include "TpuDevice.h"
+
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+#include <c10/util/Exception.h>
+
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <vector>
+
+namespace torch_tpu {
+namespace {
+
+constexpr int kMaxDevices = 64;
+constexpr auto kAll = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+
+struct Block {
+  size_t size;
+  c10::DeviceIndex device;
+};
+
+// Blocks ordered by address so interior pointers resolve to their block.
+class BlockMap {
+ public:
+  void insert(void* ptr, Block block) {
+    std::lock_guard<std::mutex> lock(mu_);
+    blocks_.emplace(reinterpret_cast<uintptr_t>(ptr), block);
+  }
+  bool erase(void* ptr, Block* out) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = blocks_.find(reinterpret_cast<uintptr_t>(ptr));
+    if (it == blocks_.end()) {
+      return false;
+    }
+    *out = it->second;
+    blocks_.erase(it);
+    return true;
+  }
+  bool find(const void* ptr, Block* out) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto addr = reinterpret_cast<uintptr_t>(ptr);
+    auto it = blocks_.upper_bound(addr);
+    if (it == blocks_.begin()) {
+      return false;
+    }
+    --it;
+    if (addr >= it->first + std::max<size_t>(it->second.size, 1)) {
+      return false;
+    }
+    *out = it->second;
+    return true;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::map<uintptr_t, Block> blocks_;
+};
+
+struct DeviceLedger {
+  std::mutex mu;
+  c10::CachingDeviceAllocator::DeviceStats stats;
+};
+
+BlockMap& device_blocks() {
+  static BlockMap* blocks = new BlockMap();
+  return *blocks;
+}
+
+DeviceLedger& ledger(c10::DeviceIndex device) {
+  static std::vector<DeviceLedger>* ledgers = new std::vector<DeviceLedger>(kMaxDevices);
+  return (*ledgers)[device];
+}
+
+void update_stats(c10::CachingDeviceAllocator::DeviceStats& s, size_t n, bool add) {
+  // No cache and no splitting: every allocation is its own segment, and
+  // allocated, reserved, active and requested bytes move together.
+  for (auto* stat : {&s.allocation[kAll], &s.segment[kAll], &s.active[kAll]}) {
+    add ? stat->increase(1) : stat->decrease(1);
+  }
+  for (auto* stat : {&s.allocated_bytes[kAll], &s.reserved_bytes[kAll],
+                     &s.active_bytes[kAll], &s.requested_bytes[kAll]}) {
+    add ? stat->increase(n) : stat->decrease(n);
+  }
+  add ? ++s.num_device_alloc : ++s.num_device_free;
+}
+
+void tpu_free(void* ptr) {
+  Block block{};
+  if (!device_blocks().erase(ptr, &block)) {
+    return;
+  }
+  c10::free_cpu(ptr);
+  auto& l = ledger(block.device);
+  std::lock_guard<std::mutex> lock(l.mu);
+  update_stats(l.stats, block.size, /*add=*/false);
+}
+
+std::string format_bytes(int64_t n) {
+  char buf[64];
+  snprintf(buf, sizeof(buf), "%lld bytes (%.2f MiB)", static_cast<long long>(n), n / 1048576.0);
+  return buf;
+}
+
+thread_local c10::DeviceIndex t_redirect = -1;
+
+// Replaces the CPU allocator: a plain pass-through unless a HostRedirect is
+// active on this thread.
+c10::Allocator* g_cpu_base = nullptr;
+
+class RedirectingCpuAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t nbytes) override {
+    if (t_redirect < 0) {
+      return g_cpu_base->allocate(nbytes);
+    }
+    auto data_ptr = tpu_allocator().allocate_on(nbytes, t_redirect);
+    data_ptr.unsafe_set_device(c10::Device(c10::DeviceType::CPU));
+    return data_ptr;
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &free_any; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+
+ private:
+  static void free_any(void* ptr) {
+    Block block{};
+    if (device_blocks().find(ptr, &block)) {
+      tpu_free(ptr);
+    } else {
+      g_cpu_base->raw_deleter()(ptr);
+    }
+  }
+};
+
+// Pinned host memory is ordinary host memory here; what matters to callers is
+// that is_pinned() reports it.
+BlockMap& pinned_blocks() {
+  static BlockMap* blocks = new BlockMap();
+  return *blocks;
+}
+
+void pinned_free(void* ptr) {
+  Block block{};
+  if (pinned_blocks().erase(ptr, &block)) {
+    c10::free_cpu(ptr);
+  }
+}
+
+class PinnedAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t nbytes) override {
+    void* ptr = nbytes ? c10::alloc_cpu(nbytes) : nullptr;
+    if (ptr) {
+      pinned_blocks().insert(ptr, Block{nbytes, -1});
+    }
+    return {ptr, ptr, &pinned_free, c10::Device(c10::DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &pinned_free; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+};
+
+} // namespace
+
+c10::DataPtr TpuAllocator::allocate(size_t nbytes) {
+  return allocate_on(nbytes, current_device());
+}
+
+c10::DataPtr TpuAllocator::allocate_on(size_t nbytes, c10::DeviceIndex device) {
+  check_device_index(device);
+  const c10::Device dev(c10::DeviceType::PrivateUse1, device);
+  if (nbytes == 0) {
+    return {nullptr, nullptr, &tpu_free, dev};
+  }
+  auto& l = ledger(device);
+  {
+    std::lock_guard<std::mutex> lock(l.mu);
+    const int64_t in_use = l.stats.allocated_bytes[kAll].current;
+    const int64_t capacity = hbm_capacity();
+    if (in_use + static_cast<int64_t>(nbytes) > capacity) {
+      ++l.stats.num_ooms;
+      TORCH_CHECK_WITH(
+          OutOfMemoryError, false,
+          "tpu:", static_cast<int>(device), " out of memory: tried to allocate ",
+          format_bytes(nbytes), " with ", format_bytes(in_use), " in use of ",
+          format_bytes(capacity), " HBM capacity. Free tensors you no longer "
+          "need, use a smaller batch, or raise the emulated capacity with "
+          "TORCH_TPU_HBM_BYTES.");
+    }
+    // Counted before the host allocation so concurrent callers cannot
+    // overshoot the capacity together.
+    update_stats(l.stats, nbytes, /*add=*/true);
+  }
+  void* ptr = nullptr;
+  try {
+    ptr = c10::alloc_cpu(nbytes);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(l.mu);
+    update_stats(l.stats, nbytes, /*add=*/false);
+    throw;
+  }
+  device_blocks().insert(ptr, Block{nbytes, device});
+  return {ptr, ptr, &tpu_free, dev};
+}
+
+c10::DeleterFnPtr TpuAllocator::raw_deleter() const {
+  return &tpu_free;
+}
+
+void TpuAllocator::copy_data(void* dest, const void* src, std::size_t count) const {
+  std::memcpy(dest, src, count);
+}
+
+c10::CachingDeviceAllocator::DeviceStats TpuAllocator::getDeviceStats(c10::DeviceIndex device) {
+  device = resolve(device);
+  check_device_index(device);
+  auto& l = ledger(device);
+  std::lock_guard<std::mutex> lock(l.mu);
+  return l.stats;
+}
+
+void TpuAllocator::resetAccumulatedStats(c10::DeviceIndex device) {
+  device = resolve(device);
+  check_device_index(device);
+  auto& l = ledger(device);
+  std::lock_guard<std::mutex> lock(l.mu);
+  auto& s = l.stats;
+  for (auto* arr : {&s.allocation, &s.segment, &s.active, &s.allocated_bytes,
+                    &s.reserved_bytes, &s.active_bytes, &s.requested_bytes}) {
+    for (auto& stat : *arr) {
+      stat.reset_accumulated();
+    }
+  }
+  s.num_ooms = 0;
+  s.num_device_alloc = 0;
+  s.num_device_free = 0;
+}
+
+void TpuAllocator::resetPeakStats(c10::DeviceIndex device) {
+  device = resolve(device);
+  check_device_index(device);
+  auto& l = ledger(device);
+  std::lock_guard<std::mutex> lock(l.mu);
+  auto& s = l.stats;
+  for (auto* arr : {&s.allocation, &s.segment, &s.active, &s.allocated_bytes,
+                    &s.reserved_bytes, &s.active_bytes, &s.requested_bytes}) {
+    for (auto& stat : *arr) {
+      stat.reset_peak();
+    }
+  }
+}
+
+std::pair<size_t, size_t> TpuAllocator::getMemoryInfo(c10::DeviceIndex device) {
+  const auto stats = getDeviceStats(device);
+  const auto total = static_cast<size_t>(hbm_capacity());
+  const auto used = static_cast<size_t>(stats.reserved_bytes[kAll].current);
+  return {total > used ? total - used : 0, total};
+}
+
+c10::DeviceIndex TpuAllocator::device_of(const void* ptr) const {
+  Block block{};
+  return device_blocks().find(ptr, &block) ? block.device : -1;
+}
+
+bool TpuAllocator::owns(const c10::DataPtr& data_ptr) {
+  return data_ptr.get_deleter() == &tpu_free;
+}
+
+TpuAllocator& tpu_allocator() {
+  static TpuAllocator* allocator = new TpuAllocator();
+  return *allocator;
+}
+
+HostRedirect::HostRedirect(c10::DeviceIndex device) : previous_(t_redirect) {
+  t_redirect = device;
+}
+
+HostRedirect::~HostRedirect() {
+  t_redirect = previous_;
+}
+
+c10::Allocator* pinned_allocator() {
+  static PinnedAllocator* allocator = new PinnedAllocator();
+  return allocator;
+}
+
+bool is_pinned(const void* ptr) {
+  Block block{};
+  return pinned_blocks().find(ptr, &block);
+}
+
+namespace {
+struct Registration {
+  Registration() {
+    c10::SetAllocator(c10::DeviceType::PrivateUse1, &tpu_allocator());
+    g_cpu_base = c10::GetCPUAllocator();
+    static RedirectingCpuAllocator redirect;
+    // Priority 1 outranks the default CPU allocator (0).
+    c10::SetCPUAllocator(&redirect, /*priority=*/1);
+  }
+};
+Registration g_registration;
+} // namespace
+
+} // namespace torch_tpu

@@ -1,0 +1,56 @@
+#pragma once
+// Emulated HBM: tpu tensors own host memory handed out here, counted per
+// device against the chip's capacity. Exceeding it raises
+// torch.OutOfMemoryError; the process keeps working afterwards.
+
+#include <c10/core/CachingDeviceAllocator.h>
+
+namespace torch_tpu {
+
+class TpuAllocator final : public c10::DeviceAllocator {
+ public:
+  // Allocates on the current device.
+  c10::DataPtr allocate(size_t nbytes) override;
+  c10::DataPtr allocate_on(size_t nbytes, c10::DeviceIndex device);
+  c10::DeleterFnPtr raw_deleter() const override;
+  void copy_data(void* dest, const void* src, std::size_t count) const override;
+
+  bool initialized() override { return true; }
+  // No cache: reserved == allocated, so there is nothing to release.
+  void emptyCache(c10::MempoolId_t /*mempool_id*/ = {0, 0}) override {}
+  // Work runs in order on the host, so a block is never in use by a stream
+  // after its owner frees it.
+  void recordStream(const c10::DataPtr& /*ptr*/, c10::Stream /*stream*/) override {}
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override;
+  void resetAccumulatedStats(c10::DeviceIndex device) override;
+  void resetPeakStats(c10::DeviceIndex device) override;
+  // (free, total) bytes.
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override;
+
+  // The device owning the block that contains ptr, or -1.
+  c10::DeviceIndex device_of(const void* ptr) const;
+  static bool owns(const c10::DataPtr& data_ptr);
+};
+
+TpuAllocator& tpu_allocator();
+
+// While a HostRedirect is alive on a thread, CPU allocations made on that
+// thread come from tpu memory (tagged as CPU). The fallback runs CPU kernels
+// under it, so their fresh outputs already live in tpu memory and only need
+// re-tagging, never copying.
+class HostRedirect {
+ public:
+  explicit HostRedirect(c10::DeviceIndex device);
+  ~HostRedirect();
+  HostRedirect(const HostRedirect&) = delete;
+  HostRedirect& operator=(const HostRedirect&) = delete;
+
+ private:
+  c10::DeviceIndex previous_;
+};
+
+// Page-locked host memory for DataLoader(pin_memory=True) and friends.
+c10::Allocator* pinned_allocator();
+bool is_pinned(const void* ptr);
+
+} // namespace torch_tpu

@@ -1,0 +1,150 @@
+// The boxed fallback: every aten op without a tpu kernel of its own runs the
+// CPU kernel on zero-copy views of the tpu tensors (see TpuHost.h), so
+// mutations land in tpu memory and fresh results are allocated there.
+
+#include "TpuGenerator.h"
+#include "TpuHost.h"
+#include "TpuStream.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <torch/library.h>
+
+namespace torch_tpu {
+namespace {
+
+bool is_generator_arg(const c10::Argument& arg) {
+  const auto& type = arg.type();
+  if (type->kind() == c10::TypeKind::GeneratorType) {
+    return true;
+  }
+  if (type->kind() == c10::TypeKind::OptionalType) {
+    return type->castRaw<c10::OptionalType>()->getElementType()->kind() ==
+        c10::TypeKind::GeneratorType;
+  }
+  return false;
+}
+
+// Where the op runs: the device of its first tpu tensor or tpu device
+// argument. `to_cpu` is set when the op names the cpu as its target device,
+// so its results stay in CPU memory.
+c10::DeviceIndex find_device(c10::ArrayRef<c10::IValue> args, bool* to_cpu) {
+  c10::DeviceIndex device = -1;
+  *to_cpu = false;
+  auto consider = [&](const at::Tensor& t) {
+    if (device < 0 && is_tpu(t)) {
+      device = t.device().index();
+    }
+  };
+  for (const auto& v : args) {
+    if (v.isTensor()) {
+      consider(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList()) {
+        consider(t);
+      }
+    } else if (v.isOptionalTensorList()) {
+      for (const std::optional<at::Tensor>& t : v.toOptionalTensorList()) {
+        if (t.has_value()) {
+          consider(*t);
+        }
+      }
+    } else if (v.isDevice()) {
+      const auto d = v.toDevice();
+      if (d.type() == c10::DeviceType::CPU) {
+        *to_cpu = true;
+      } else if (device < 0 && d.type() == c10::DeviceType::PrivateUse1) {
+        device = d.has_index() ? d.index() : current_device();
+      }
+    }
+  }
+  return device < 0 ? current_device() : device;
+}
+
+c10::IValue to_host(c10::IValue v, const c10::Argument& arg, HostScope& scope) {
+  if (v.isTensor()) {
+    return scope.view(v.toTensor());
+  }
+  if (v.isTensorList()) {
+    // A new list: the caller's list must keep its tpu tensors.
+    c10::List<at::Tensor> out;
+    const auto in = v.toTensorList();
+    out.reserve(in.size());
+    for (const at::Tensor& t : in) {
+      out.push_back(scope.view(t));
+    }
+    return out;
+  }
+  if (v.isOptionalTensorList()) {
+    c10::List<std::optional<at::Tensor>> out;
+    const auto in = v.toOptionalTensorList();
+    out.reserve(in.size());
+    for (const std::optional<at::Tensor>& t : in) {
+      out.push_back(t.has_value() ? std::optional<at::Tensor>(scope.view(*t)) : std::nullopt);
+    }
+    return out;
+  }
+  if (v.isDevice() && v.toDevice().type() == c10::DeviceType::PrivateUse1) {
+    return c10::Device(c10::DeviceType::CPU);
+  }
+  if ((v.isNone() || v.isGenerator()) && is_generator_arg(arg)) {
+    std::optional<at::Generator> gen;
+    if (v.isGenerator()) {
+      gen = v.toGenerator();
+    }
+    return host_generator(gen, scope.device());
+  }
+  return v;
+}
+
+c10::IValue to_tpu(c10::IValue v, HostScope& scope) {
+  if (v.isTensor()) {
+    return scope.adopt(v.toTensor());
+  }
+  if (v.isTensorList()) {
+    auto list = v.toTensorList();
+    for (size_t i = 0; i < list.size(); ++i) {
+      list.set(i, scope.adopt(list.get(i)));
+    }
+    return list;
+  }
+  return v;
+}
+
+void tpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const auto& arguments = schema.arguments();
+  const size_t num_args = arguments.size();
+  const size_t args_begin = stack->size() - num_args;
+  auto args = torch::jit::last(*stack, num_args);
+
+  bool to_cpu = false;
+  const c10::DeviceIndex device = find_device(args, &to_cpu);
+  wait_current_stream(device);
+  HostScope scope(device, /*redirect=*/!to_cpu);
+  for (size_t i = 0; i < num_args; ++i) {
+    auto& slot = (*stack)[args_begin + i];
+    slot = to_host(std::move(slot), arguments[i], scope);
+  }
+
+  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+
+  scope.write_back();
+  if (to_cpu) {
+    return;
+  }
+  const size_t num_returns = schema.returns().size();
+  const size_t returns_begin = stack->size() - num_returns;
+  for (size_t i = 0; i < num_returns; ++i) {
+    auto& slot = (*stack)[returns_begin + i];
+    slot = to_tpu(std::move(slot), scope);
+  }
+}
+
+} // namespace
+
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&tpu_fallback>());
+}
+
+} // namespace torch_tpu

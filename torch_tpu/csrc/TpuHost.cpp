@@ -1,0 +1,155 @@
+#include "TpuHost.h"
+
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/TensorImpl.h>
+
+#include <cstring>
+
+namespace torch_tpu {
+namespace {
+
+at::Tensor make_tensor(c10::Storage storage, c10::DispatchKey key, const at::Tensor& like) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      std::move(storage), c10::DispatchKeySet(key), like.dtype());
+  impl->set_sizes_and_strides(like.sizes(), like.strides(), like.storage_offset());
+  impl->_set_conj(like.is_conj());
+  impl->_set_neg(like.is_neg());
+  return at::Tensor(std::move(impl));
+}
+
+bool same_geometry(const at::Tensor& a, const at::Tensor& b) {
+  return a.sizes().equals(b.sizes()) && a.strides().equals(b.strides()) &&
+      a.storage_offset() == b.storage_offset();
+}
+
+} // namespace
+
+at::Tensor make_tpu_tensor(c10::Storage storage, const at::Tensor& like) {
+  return make_tensor(std::move(storage), c10::DispatchKey::PrivateUse1, like);
+}
+
+HostScope::HostScope(c10::DeviceIndex device, bool redirect)
+    : device_(resolve(device)), device_scope_(device_), redirect_(redirect ? device_ : -1) {}
+
+at::Tensor HostScope::view(const at::Tensor& t) {
+  if (!is_tpu(t)) {
+    return t;
+  }
+  TORCH_CHECK(t.layout() == c10::kStrided, "tpu supports strided tensors only, got ", t.layout());
+  for (const auto& v : views_) {
+    if (v.tpu.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) {
+      return v.cpu;
+    }
+  }
+  auto* tpu_impl = t.storage().unsafeGetStorageImpl();
+  c10::Storage cpu_storage;
+  for (const auto& s : storages_) {
+    if (s.tpu.unsafeGetStorageImpl() == tpu_impl) {
+      cpu_storage = s.cpu;
+      break;
+    }
+  }
+  if (!cpu_storage) {
+    // Non-owning: the tpu storage keeps the memory alive (storages_ holds it).
+    // Resizable through the CPU allocator, which the redirect points at tpu
+    // memory, so out= kernels may grow it; write_back() moves the new buffer.
+    cpu_storage = c10::Storage(
+        c10::Storage::use_byte_size_t(), tpu_impl->nbytes(),
+        c10::DataPtr(tpu_impl->mutable_data(), c10::Device(c10::DeviceType::CPU)),
+        c10::GetCPUAllocator(), /*resizable=*/true);
+    storages_.push_back({t.storage(), cpu_storage});
+  }
+  auto cpu = make_tensor(std::move(cpu_storage), c10::DispatchKey::CPU, t);
+  views_.push_back({t, cpu});
+  return cpu;
+}
+
+void HostScope::write_back() {
+  for (auto& s : storages_) {
+    auto* cpu = s.cpu.unsafeGetStorageImpl();
+    auto* tpu = s.tpu.unsafeGetStorageImpl();
+    if (cpu->data() == tpu->data() && cpu->nbytes() == tpu->nbytes()) {
+      continue;
+    }
+    // The kernel resized the storage: take over its new buffer.
+    c10::DataPtr fresh = cpu->set_data_ptr(c10::DataPtr());
+    const size_t nbytes = cpu->nbytes();
+    if (!TpuAllocator::owns(fresh)) {
+      auto copy = tpu_allocator().allocate_on(nbytes, device_);
+      if (nbytes) {
+        std::memcpy(copy.get(), fresh.get(), nbytes);
+      }
+      fresh = std::move(copy);
+    }
+    fresh.unsafe_set_device(tpu->device());
+    tpu->set_data_ptr_noswap(std::move(fresh));
+    tpu->set_nbytes(nbytes);
+    // Later reads through the view see the tpu storage's (same) buffer.
+    cpu->set_data_ptr_noswap(c10::DataPtr(tpu->mutable_data(), c10::Device(c10::DeviceType::CPU)));
+  }
+  for (auto& v : views_) {
+    auto* tpu_impl = v.tpu.unsafeGetTensorImpl();
+    const auto& cpu_storage = v.cpu.storage();
+    bool restored = false;
+    for (const auto& s : storages_) {
+      if (s.cpu.unsafeGetStorageImpl() == cpu_storage.unsafeGetStorageImpl()) {
+        if (s.tpu.unsafeGetStorageImpl() != v.tpu.storage().unsafeGetStorageImpl()) {
+          tpu_impl->set_storage_keep_dtype(s.tpu);
+        }
+        restored = true;
+        break;
+      }
+    }
+    if (!restored) {
+      // The kernel pointed the tensor at storage of its own (set_).
+      tpu_impl->set_storage_keep_dtype(tpu_storage_for(cpu_storage));
+    }
+    if (!same_geometry(v.tpu, v.cpu)) {
+      tpu_impl->set_sizes_and_strides(v.cpu.sizes(), v.cpu.strides(), v.cpu.storage_offset());
+    }
+  }
+}
+
+c10::Storage HostScope::tpu_storage_for(const c10::Storage& cpu) {
+  const c10::SmallVectorImpl<StoragePair>* lists[] = {&storages_, &adopted_};
+  for (const auto* pairs : lists) {
+    for (const auto& s : *pairs) {
+      if (s.cpu.unsafeGetStorageImpl() == cpu.unsafeGetStorageImpl()) {
+        return s.tpu;
+      }
+    }
+  }
+  auto* impl = cpu.unsafeGetStorageImpl();
+  const size_t nbytes = impl->nbytes();
+  c10::DataPtr data;
+  if (TpuAllocator::owns(impl->data_ptr())) {
+    // Allocated in tpu memory under the redirect: re-tag, no copy. The CPU
+    // storage is left empty; it was only ever visible to the kernel.
+    data = impl->set_data_ptr(c10::DataPtr());
+    data.unsafe_set_device(c10::Device(c10::DeviceType::PrivateUse1, device_));
+  } else {
+    data = tpu_allocator().allocate_on(nbytes, device_);
+    if (nbytes) {
+      std::memcpy(data.get(), impl->data(), nbytes);
+    }
+  }
+  c10::Storage tpu(
+      c10::Storage::use_byte_size_t(), nbytes, std::move(data), &tpu_allocator(),
+      /*resizable=*/true);
+  adopted_.push_back({tpu, cpu});
+  return tpu;
+}
+
+at::Tensor HostScope::adopt(const at::Tensor& result) {
+  if (!result.defined() || result.device().type() != c10::DeviceType::CPU) {
+    return result;
+  }
+  for (const auto& v : views_) {
+    if (v.cpu.unsafeGetTensorImpl() == result.unsafeGetTensorImpl()) {
+      return v.tpu;  // in-place and out= ops return their argument
+    }
+  }
+  return make_tpu_tensor(tpu_storage_for(result.storage()), result);
+}
+
+} // namespace torch_tpu

@@ -1,0 +1,63 @@
+#pragma once
+// Running CPU kernels on tpu memory without copies.
+//
+// A HostScope lends CPU kernels zero-copy CPU views of tpu tensors and turns
+// the kernels' CPU results back into tpu tensors. While it is alive, CPU
+// allocations on this thread come from the tpu allocator (HostRedirect), so a
+// fresh result is re-tagged, never copied; a result that aliases an input is
+// rebuilt on the input's tpu storage; an out= tensor the kernel resized gets
+// its new buffer and shape carried back.
+
+#include "TpuAllocator.h"
+#include "TpuDevice.h"
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/SmallVector.h>
+
+namespace torch_tpu {
+
+inline bool is_tpu(const at::Tensor& t) {
+  return t.defined() && t.device().type() == c10::DeviceType::PrivateUse1;
+}
+
+class HostScope {
+ public:
+  // redirect=false keeps CPU allocations in CPU memory: for kernels whose
+  // results are meant to be CPU tensors (copies to cpu).
+  explicit HostScope(c10::DeviceIndex device, bool redirect = true);
+  HostScope(const HostScope&) = delete;
+  HostScope& operator=(const HostScope&) = delete;
+
+  // Zero-copy CPU view of a tpu tensor; other tensors pass through.
+  at::Tensor view(const at::Tensor& t);
+  // Carries resizes and re-storing done by the kernel back to the tpu
+  // tensors that were viewed. Call once, after the kernel, before adopt().
+  void write_back();
+  // The tpu tensor for a CPU result of a kernel run in this scope.
+  at::Tensor adopt(const at::Tensor& result);
+
+  c10::DeviceIndex device() const { return device_; }
+
+ private:
+  c10::Storage tpu_storage_for(const c10::Storage& cpu);
+
+  struct StoragePair {
+    c10::Storage tpu;
+    c10::Storage cpu;
+  };
+  struct ViewPair {
+    at::Tensor tpu;
+    at::Tensor cpu;
+  };
+  c10::DeviceIndex device_;
+  DeviceScope device_scope_;
+  HostRedirect redirect_;
+  c10::SmallVector<StoragePair, 4> storages_;  // storages of viewed tensors
+  c10::SmallVector<StoragePair, 2> adopted_;   // storages of fresh results
+  c10::SmallVector<ViewPair, 4> views_;
+};
+
+// A tpu tensor with the geometry of `like` on the given tpu storage.
+at::Tensor make_tpu_tensor(c10::Storage storage, const at::Tensor& like);
+
+} // namespace torch_tpu

@@ -1,0 +1,197 @@
+// Matmul-family kernels: the CPU kernels on zero-copy views, with the
+// operands the MXU would see at the current precision (TpuPrecision.h).
+
+#include "TpuHost.h"
+#include "TpuPrecision.h"
+
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/addmv.h>
+#include <ATen/ops/baddbmm.h>
+#include <ATen/ops/bmm.h>
+#include <ATen/ops/convolution.h>
+#include <ATen/ops/convolution_backward.h>
+#include <ATen/ops/dot.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/mv.h>
+#include <ATen/ops/sum.h>
+#include <torch/library.h>
+
+#include <vector>
+
+namespace torch_tpu {
+namespace {
+
+// Runs `compute` on views inside a HostScope and returns its result on tpu.
+template <class F>
+at::Tensor on_host(const at::Tensor& like, F compute) {
+  HostScope scope(like.device().index());
+  at::Tensor result = compute(scope);
+  scope.write_back();
+  return scope.adopt(result);
+}
+
+// out= variants: compute, then resize and fill `out` in place.
+at::Tensor& into(at::Tensor& out, const at::Tensor& result) {
+  out.resize_(result.sizes());
+  out.copy_(result);
+  return out;
+}
+
+at::Tensor tpu_mm(const at::Tensor& self, const at::Tensor& mat2) {
+  return on_host(self, [&](HostScope& s) {
+    return on_mxu(s.view(self), s.view(mat2),
+                  [](const at::Tensor& a, const at::Tensor& b, bool) { return at::mm(a, b); });
+  });
+}
+
+at::Tensor tpu_bmm(const at::Tensor& self, const at::Tensor& mat2) {
+  return on_host(self, [&](HostScope& s) {
+    return on_mxu(s.view(self), s.view(mat2),
+                  [](const at::Tensor& a, const at::Tensor& b, bool) { return at::bmm(a, b); });
+  });
+}
+
+at::Tensor tpu_mv(const at::Tensor& self, const at::Tensor& vec) {
+  return on_host(self, [&](HostScope& s) {
+    return on_mxu(s.view(self), s.view(vec),
+                  [](const at::Tensor& a, const at::Tensor& b, bool) { return at::mv(a, b); });
+  });
+}
+
+at::Tensor tpu_dot(const at::Tensor& self, const at::Tensor& other) {
+  return on_host(self, [&](HostScope& s) {
+    return on_mxu(s.view(self), s.view(other),
+                  [](const at::Tensor& a, const at::Tensor& b, bool) { return at::dot(a, b); });
+  });
+}
+
+at::Tensor tpu_addmm(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2,
+                 const c10::Scalar& beta, const c10::Scalar& alpha) {
+  return on_host(mat1, [&](HostScope& s) {
+    const auto bias = s.view(self);
+    return on_mxu(s.view(mat1), s.view(mat2), [&](const at::Tensor& a, const at::Tensor& b, bool rest) {
+      return rest ? at::addmm(bias, a, b, beta, alpha) : at::mm(a, b).mul_(alpha);
+    });
+  });
+}
+
+at::Tensor tpu_baddbmm(const at::Tensor& self, const at::Tensor& batch1, const at::Tensor& batch2,
+                   const c10::Scalar& beta, const c10::Scalar& alpha) {
+  return on_host(batch1, [&](HostScope& s) {
+    const auto bias = s.view(self);
+    return on_mxu(s.view(batch1), s.view(batch2), [&](const at::Tensor& a, const at::Tensor& b, bool rest) {
+      return rest ? at::baddbmm(bias, a, b, beta, alpha) : at::bmm(a, b).mul_(alpha);
+    });
+  });
+}
+
+at::Tensor tpu_addmv(const at::Tensor& self, const at::Tensor& mat, const at::Tensor& vec,
+                 const c10::Scalar& beta, const c10::Scalar& alpha) {
+  return on_host(mat, [&](HostScope& s) {
+    const auto bias = s.view(self);
+    return on_mxu(s.view(mat), s.view(vec), [&](const at::Tensor& a, const at::Tensor& b, bool rest) {
+      return rest ? at::addmv(bias, a, b, beta, alpha) : at::mv(a, b).mul_(alpha);
+    });
+  });
+}
+
+at::Tensor& tpu_mm_out(const at::Tensor& self, const at::Tensor& mat2, at::Tensor& out) {
+  return into(out, tpu_mm(self, mat2));
+}
+at::Tensor& tpu_bmm_out(const at::Tensor& self, const at::Tensor& mat2, at::Tensor& out) {
+  return into(out, tpu_bmm(self, mat2));
+}
+at::Tensor& tpu_addmm_out(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2,
+                      const c10::Scalar& beta, const c10::Scalar& alpha, at::Tensor& out) {
+  return into(out, tpu_addmm(self, mat1, mat2, beta, alpha));
+}
+at::Tensor& tpu_baddbmm_out(const at::Tensor& self, const at::Tensor& b1, const at::Tensor& b2,
+                        const c10::Scalar& beta, const c10::Scalar& alpha, at::Tensor& out) {
+  return into(out, tpu_baddbmm(self, b1, b2, beta, alpha));
+}
+
+// at::convolution on a non-CPU/CUDA device routes here.
+at::Tensor convolution(const at::Tensor& input, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
+                       c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed,
+                       c10::IntArrayRef output_padding, int64_t groups) {
+  return on_host(input, [&](HostScope& s) {
+    std::optional<at::Tensor> b;
+    if (bias.has_value() && bias->defined()) {
+      b = s.view(*bias);
+    }
+    return on_mxu(s.view(input), s.view(weight), [&](const at::Tensor& x, const at::Tensor& w, bool rest) {
+      return at::convolution(x, w, rest ? b : std::nullopt, stride, padding, dilation, transposed,
+                             output_padding, groups);
+    });
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
+    c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed,
+    c10::IntArrayRef output_padding, int64_t groups, std::array<bool, 3> output_mask) {
+  HostScope scope(input.device().index());
+  const auto go = scope.view(grad_output);
+  const auto x = scope.view(input);
+  const auto w = scope.view(weight);
+  // grad_input is bilinear in (grad_output, weight), grad_weight in
+  // (grad_output, input): one pass per (grad_output, {input, weight}) pair.
+  const std::array<bool, 3> mask{output_mask[0], output_mask[1], false};
+  auto pass = [&](const at::Tensor& g, const at::Tensor& xi, const at::Tensor& wi) {
+    return at::convolution_backward(g, xi, wi, std::nullopt, stride, padding, dilation, transposed,
+                                    output_padding, groups, mask);
+  };
+  auto accumulate = [&](std::tuple<at::Tensor, at::Tensor, at::Tensor>& acc,
+                        const std::tuple<at::Tensor, at::Tensor, at::Tensor>& more) {
+    if (std::get<0>(acc).defined()) std::get<0>(acc).add_(std::get<0>(more));
+    if (std::get<1>(acc).defined()) std::get<1>(acc).add_(std::get<1>(more));
+  };
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> result;
+  switch (effective_precision(go, w)) {
+    case Precision::kHighest:
+      result = pass(go, x, w);
+      break;
+    case Precision::kMedium:
+      result = pass(round_to_bf16(go), round_to_bf16(x), round_to_bf16(w));
+      break;
+    case Precision::kHigh: {
+      const auto go_hi = round_to_bf16(go), x_hi = round_to_bf16(x), w_hi = round_to_bf16(w);
+      const auto go_lo = round_to_bf16(at::sub(go, go_hi)), x_lo = round_to_bf16(at::sub(x, x_hi)),
+                 w_lo = round_to_bf16(at::sub(w, w_hi));
+      result = pass(go_hi, x_hi, w_hi);
+      accumulate(result, pass(go_hi, x_lo, w_lo));
+      accumulate(result, pass(go_lo, x_hi, w_hi));
+      break;
+    }
+  }
+  at::Tensor grad_bias;
+  if (output_mask[2]) {
+    // Not an MXU op: the exact sum over everything but channels.
+    std::vector<int64_t> dims{0};
+    for (int64_t d = 2; d < go.dim(); ++d) dims.push_back(d);
+    grad_bias = at::sum(go, dims);
+  }
+  scope.write_back();
+  return {scope.adopt(std::get<0>(result)), scope.adopt(std::get<1>(result)), scope.adopt(grad_bias)};
+}
+
+} // namespace
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("mm", tpu_mm);
+  m.impl("mm.out", tpu_mm_out);
+  m.impl("bmm", tpu_bmm);
+  m.impl("bmm.out", tpu_bmm_out);
+  m.impl("mv", tpu_mv);
+  m.impl("dot", tpu_dot);
+  m.impl("addmm", tpu_addmm);
+  m.impl("addmm.out", tpu_addmm_out);
+  m.impl("baddbmm", tpu_baddbmm);
+  m.impl("baddbmm.out", tpu_baddbmm_out);
+  m.impl("addmv", tpu_addmv);
+  m.impl("convolution_overrideable", convolution);
+  m.impl("convolution_backward_overrideable", convolution_backward);
+}
+
+} // namespace torch_tpu

@@ -1,0 +1,124 @@
+"""Streams and events on tpu (``torch.tpu.Stream`` and friends).
+
+A stream is an ordered queue. TensorCore ops run synchronously on the calling
+thread (the default stream); other streams each have a worker thread that
+runs submitted work in order. Packages with work of their own (the SparseCore
+executor) put it on a tpu stream with :func:`submit`, so events order it
+against other streams and ``torch.tpu.synchronize()`` waits for it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from torch_tpu import _backend
+from torch_tpu.device import _device_t, _index
+
+
+class Stream(torch.Stream):
+    """A new stream on a tpu device (``torch.tpu.Stream(device=None)``)."""
+
+    def __new__(cls, device: _device_t = None, priority: int = 0, **kwargs: Any) -> Stream:
+        if kwargs:  # wrapping an existing stream: stream_id, device_index, device_type
+            return super().__new__(cls, priority=priority, **kwargs)
+        return super().__new__(cls, device=torch.device("tpu", _index(device)), priority=priority)
+
+
+class Event(torch.Event):
+    """An event on the tpu (``torch.tpu.Event(enable_timing=False)``)."""
+
+    def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> Event:
+        return super().__new__(
+            cls, device="tpu", enable_timing=enable_timing, blocking=blocking, interprocess=interprocess
+        )
+
+
+def _wrap(s: torch.Stream) -> Stream:
+    return Stream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
+
+
+def current_stream(device: _device_t = None) -> Stream:
+    return _wrap(torch.accelerator.current_stream(_index(device)))
+
+
+def default_stream(device: _device_t = None) -> Stream:
+    idx = _index(device)
+    return Stream(stream_id=0, device_index=idx, device_type=current_stream(idx).device_type)
+
+
+def set_stream(stream: torch.Stream) -> None:
+    if stream is not None:
+        torch.accelerator.set_stream(stream)
+
+
+class StreamContext:
+    """Makes ``stream`` current for its device inside a ``with`` block."""
+
+    def __init__(self, stream: torch.Stream | None):
+        self.stream = stream
+        self.previous: torch.Stream | None = None
+
+    def __enter__(self) -> torch.Stream | None:
+        if self.stream is not None:
+            self.previous = torch.accelerator.current_stream(self.stream.device_index)
+            torch.accelerator.set_stream(self.stream)
+        return self.stream
+
+    def __exit__(self, *exc: object) -> None:
+        if self.previous is not None:
+            torch.accelerator.set_stream(self.previous)
+
+
+def stream(stream: torch.Stream | None) -> StreamContext:
+    return StreamContext(stream)
+
+
+# One trampoline for all submitted work: the C side passes back a key into
+# _tasks, so no ctypes callback object is ever freed while it runs.
+_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_tasks: dict[int, Callable[[], None]] = {}
+_keys = itertools.count(1)
+_lock = threading.Lock()
+
+
+@_CALLBACK
+def _run_task(key: int) -> None:
+    with _lock:
+        task = _tasks.pop(key)
+    task()
+
+
+def submit(stream: torch.Stream, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+    """Runs ``fn(*args, **kwargs)`` on ``stream`` after the work queued before it.
+
+    Returns a Future with the result or the exception. On the default stream
+    the call runs at once on the calling thread.
+    """
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def task() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as error:  # noqa: BLE001 - handed to the caller
+            future.set_exception(error)
+
+    with _lock:
+        key = next(_keys)
+        _tasks[key] = task
+    submit_c = _backend.library.torch_tpu_stream_submit
+    submit_c.restype = ctypes.c_int
+    submit_c.argtypes = [ctypes.c_int, ctypes.c_int64, _CALLBACK, ctypes.c_void_p]
+    if submit_c(stream.device_index, stream.stream_id, _run_task, key) != 0:
+        with _lock:
+            _tasks.pop(key, None)
+        raise ValueError(f"Cannot submit to {stream}: not a tpu stream")
+    return future
