@@ -31,13 +31,15 @@ class Stream(torch.Stream):
         return super().__new__(cls, device=torch.device("tpu", _index(device)), priority=priority)
 
 
-class Event(torch.Event):
-    """An event on the tpu (``torch.tpu.Event(enable_timing=False)``)."""
+class Event:
+    """``torch.tpu.Event(enable_timing=False)``: a ``torch.Event`` on the tpu.
 
-    def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> Event:
-        return super().__new__(
-            cls, device="tpu", enable_timing=enable_timing, blocking=blocking, interprocess=interprocess
-        )
+    Returns a plain torch.Event: torch's event methods accept no subclass as
+    their peer (``elapsed_time`` of a subclass instance fails).
+    """
+
+    def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> torch.Event:
+        return torch.Event(device="tpu", enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
 
 
 def _wrap(s: torch.Stream) -> Stream:

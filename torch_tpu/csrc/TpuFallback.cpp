@@ -10,6 +10,9 @@
 #include <ATen/core/stack.h>
 #include <torch/library.h>
 
+#include <string>
+#include <unordered_set>
+
 namespace torch_tpu {
 namespace {
 
@@ -141,10 +144,44 @@ void tpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
 }
 
+// Ops with a tpu kernel of their own elsewhere (TpuMatmul.cpp, TpuRandom.cpp,
+// TpuMinimalOps.cpp) that the loop below must leave alone.
+bool has_own_kernel(const std::string& name) {
+  static const std::unordered_set<std::string> own = {
+      "aten::mm", "aten::bmm", "aten::mv", "aten::dot", "aten::addmm", "aten::baddbmm",
+      "aten::addmv", "aten::_addmm_activation", "aten::native_dropout",
+      "aten::convolution_overrideable", "aten::convolution_backward_overrideable"};
+  return own.count(name) > 0;
+}
+
 } // namespace
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&tpu_fallback>());
+}
+
+// A structured op's functional form reaches a backend without a kernel of its
+// own as a generic wrapper: allocate an output, then run the out= kernel
+// (which for some ops, mse_loss among them, warns about resizing it). Send
+// the functional and in-place forms straight to their CPU kernels instead:
+// one call instead of three, the same result.
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const auto& name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0 || has_own_kernel(name.name)) {
+      continue;
+    }
+    auto op = dispatcher.findOp(name);
+    if (!op || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
+        !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional) ||
+        !op->hasKernelForDispatchKey(c10::DispatchKey::CPU)) {
+      continue;
+    }
+    const std::string qualified = name.overload_name.empty()
+        ? name.name.substr(6)
+        : name.name.substr(6) + "." + name.overload_name;
+    m.impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&tpu_fallback>());
+  }
 }
 
 } // namespace torch_tpu

@@ -11,6 +11,8 @@
 #include <ATen/ops/convolution.h>
 #include <ATen/ops/convolution_backward.h>
 #include <ATen/ops/dot.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/relu.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/mv.h>
 #include <ATen/ops/sum.h>
@@ -93,6 +95,14 @@ at::Tensor tpu_addmv(const at::Tensor& self, const at::Tensor& mat, const at::Te
       return rest ? at::addmv(bias, a, b, beta, alpha) : at::mv(a, b).mul_(alpha);
     });
   });
+}
+
+// linear + activation fusion some paths take (e.g. TransformerEncoderLayer).
+at::Tensor tpu_addmm_activation(const at::Tensor& self, const at::Tensor& mat1,
+                                const at::Tensor& mat2, const c10::Scalar& beta,
+                                const c10::Scalar& alpha, bool use_gelu) {
+  auto out = tpu_addmm(self, mat1, mat2, beta, alpha);
+  return use_gelu ? at::gelu_(out, "tanh") : at::relu_(out);
 }
 
 at::Tensor& tpu_mm_out(const at::Tensor& self, const at::Tensor& mat2, at::Tensor& out) {
@@ -190,6 +200,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("baddbmm", tpu_baddbmm);
   m.impl("baddbmm.out", tpu_baddbmm_out);
   m.impl("addmv", tpu_addmv);
+  m.impl("_addmm_activation", tpu_addmm_activation);
   m.impl("convolution_overrideable", convolution);
   m.impl("convolution_backward_overrideable", convolution_backward);
 }

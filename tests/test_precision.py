@@ -1,0 +1,106 @@
+"""MXU precision on tpu: medium = bf16 operands, fp32 accumulation; high = 3-pass; highest = fp32."""
+
+import warnings
+
+import pytest
+import torch
+
+import torch_tpu.precision
+
+
+def bf16(t):
+    return t.to(torch.bfloat16).float()
+
+
+def rel_err(result, exact):
+    return ((result - exact).norm() / exact.norm()).item()
+
+
+@pytest.fixture
+def operands():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(64, 96, generator=g), torch.randn(96, 48, generator=g)
+
+
+def on_tpu(fn, *tensors):
+    return fn(*(t.to("tpu") for t in tensors)).cpu()
+
+
+def test_default_is_medium_and_cpu_setting_is_separate():
+    torch.tpu.set_float32_matmul_precision("medium")
+    assert torch.tpu.get_float32_matmul_precision() == "medium"
+    assert torch.get_float32_matmul_precision() == "highest"
+
+
+@pytest.mark.parametrize(
+    "name, fn",
+    [
+        ("mm", lambda a, b: a @ b),
+        ("linear", lambda a, b: torch.nn.functional.linear(a, b.t())),
+        ("einsum", lambda a, b: torch.einsum("ik,kj->ij", a, b)),
+        ("bmm", lambda a, b: torch.bmm(a.expand(3, -1, -1), b.expand(3, -1, -1))),
+        ("addmm", lambda a, b: torch.addmm(torch.ones(a.shape[0], b.shape[1]), a, b, beta=0.5, alpha=2)),
+        ("mv", lambda a, b: a @ b[:, 0].contiguous()),
+    ],
+)
+def test_medium_equals_the_bf16_rounded_reference(operands, name, fn):
+    a, b = operands
+    with torch.tpu.precision("medium"):
+        result = on_tpu(fn, a, b)
+    reference = fn(bf16(a), bf16(b))
+    # Equal up to accumulation order; far from exact fp32.
+    torch.testing.assert_close(result, reference, atol=1e-4, rtol=1e-5)
+    assert rel_err(fn(a, b), reference) > 1e-4
+
+
+def test_conv_medium_and_its_backward(operands):
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(2, 3, 8, 8, generator=g), torch.randn(4, 3, 3, 3, generator=g)
+    grad_out = torch.randn(2, 4, 6, 6, generator=g)
+    with torch.tpu.precision("medium"):
+        xt, wt = x.to("tpu").requires_grad_(), w.to("tpu").requires_grad_()
+        yt = torch.nn.functional.conv2d(xt, wt)
+        yt.backward(grad_out.to("tpu"))
+    xr, wr = bf16(x).requires_grad_(), bf16(w).requires_grad_()
+    yr = torch.nn.functional.conv2d(xr, wr)
+    yr.backward(bf16(grad_out))
+    torch.testing.assert_close(yt.detach().cpu(), yr.detach(), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(xt.grad.cpu(), xr.grad, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(wt.grad.cpu(), wr.grad, atol=1e-4, rtol=1e-5)
+
+
+def test_errors_shrink_from_medium_to_high_to_highest(operands):
+    a, b = operands
+    exact = (a.double() @ b.double()).float()
+    errors = {}
+    for mode in ("medium", "high", "highest"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.tpu.precision(mode):
+                errors[mode] = rel_err(on_tpu(torch.mm, a, b), exact)
+    assert 1e-4 < errors["medium"] < 1e-2  # bf16 has an 8-bit mantissa
+    assert errors["high"] < errors["medium"] / 100
+    assert errors["highest"] <= 1e-6
+    assert errors["highest"] <= errors["high"]
+
+
+def test_only_fp32_is_rounded():
+    a = torch.randn(8, 8, dtype=torch.float64)
+    with torch.tpu.precision("medium"):
+        torch.testing.assert_close(on_tpu(torch.mm, a, a), a @ a)
+
+
+def test_high_and_highest_warn_once(monkeypatch):
+    monkeypatch.setattr(torch_tpu.precision, "_warned", set())
+    with pytest.warns(UserWarning, match="costs about 3x"):
+        with torch.tpu.precision("high"):
+            pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.tpu.precision("high"):
+            pass
+
+
+def test_invalid_precision_is_named():
+    with pytest.raises(ValueError, match="must be one of"):
+        torch.tpu.set_float32_matmul_precision("low")

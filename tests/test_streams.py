@@ -1,0 +1,88 @@
+"""Streams are ordered queues; events order work across them."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+
+def test_default_and_current_stream():
+    s = torch.tpu.current_stream()
+    assert s == torch.tpu.default_stream()
+    assert s.device == torch.device("tpu:0")
+    assert s.query()
+
+
+def test_submitted_work_runs_in_order_and_synchronize_waits():
+    s = torch.tpu.Stream()
+    order = []
+    gate = threading.Event()
+    first = torch.tpu.submit(s, lambda: (gate.wait(5), order.append(1)))
+    second = torch.tpu.submit(s, order.append, 2)
+    assert not s.query()  # blocked behind the gate
+    gate.set()
+    torch.tpu.synchronize()
+    assert order == [1, 2]
+    assert s.query() and first.done() and second.done()
+
+
+def test_errors_reach_the_future():
+    s = torch.tpu.Stream()
+    future = torch.tpu.submit(s, lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        future.result(timeout=5)
+    assert torch.tpu.submit(s, lambda: 7).result(timeout=5) == 7
+
+
+def test_event_orders_one_stream_after_another():
+    producer, consumer = torch.tpu.Stream(), torch.tpu.Stream()
+    log = []
+    torch.tpu.submit(producer, lambda: (time.sleep(0.2), log.append("produced")))
+    event = torch.tpu.Event()
+    event.record(producer)
+    assert not event.query()
+    consumer.wait_event(event)
+    torch.tpu.submit(consumer, log.append, "consumed")
+    consumer.synchronize()
+    assert log == ["produced", "consumed"]
+    assert event.query()
+
+
+def test_event_timing():
+    s = torch.tpu.Stream()
+    start, end = torch.tpu.Event(enable_timing=True), torch.tpu.Event(enable_timing=True)
+    start.record(s)
+    torch.tpu.submit(s, time.sleep, 0.05)
+    end.record(s)
+    end.synchronize()
+    assert 40 <= start.elapsed_time(end) < 2000
+
+
+def test_ops_under_a_stream_run_after_its_queued_work():
+    s = torch.tpu.Stream()
+    x = torch.zeros(4, device="tpu")
+    torch.tpu.submit(s, lambda: (time.sleep(0.1), x.fill_(3.0)))
+    with torch.tpu.stream(s):
+        assert torch.tpu.current_stream() == s
+        y = x + 1
+    assert torch.tpu.current_stream() == torch.tpu.default_stream()
+    torch.testing.assert_close(y.cpu(), torch.full((4,), 4.0))
+
+
+def test_generic_torch_stream_and_event_apis():
+    s = torch.Stream(device="tpu")
+    e = torch.Event(device="tpu")
+    e.record(s)
+    e.synchronize()
+    assert e.query()
+    torch.accelerator.synchronize()
+    assert torch.accelerator.current_stream().device.type == "tpu"
+
+
+def test_streams_per_device():
+    s1 = torch.tpu.Stream("tpu:1")
+    assert s1.device == torch.device("tpu:1")
+    done = torch.tpu.submit(s1, lambda: "ok")
+    torch.tpu.synchronize(1)
+    assert done.result(timeout=1) == "ok"
