@@ -1,6 +1,7 @@
 // Matmul-family kernels: the CPU kernels on zero-copy views, with the
 // operands the MXU would see at the current precision (TpuPrecision.h).
 
+#include "TpuBf16Gemm.h"
 #include "TpuHost.h"
 #include "TpuPrecision.h"
 
@@ -39,10 +40,22 @@ at::Tensor& into(at::Tensor& out, const at::Tensor& result) {
   return out;
 }
 
+// The single-GEMM path for medium precision, when the shapes allow it.
+at::Tensor medium_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias,
+                       const c10::Scalar& beta, const c10::Scalar& alpha) {
+  if (effective_precision(a, b) != Precision::kMedium || (bias.defined() && !bias.is_floating_point())) {
+    return {};
+  }
+  return bf16_gemm(a, b, bias, beta.toFloat(), alpha.toFloat());
+}
+
 at::Tensor tpu_mm(const at::Tensor& self, const at::Tensor& mat2) {
   return on_host(self, [&](HostScope& s) {
-    return on_mxu(s.view(self), s.view(mat2),
-                  [](const at::Tensor& a, const at::Tensor& b, bool) { return at::mm(a, b); });
+    const auto a = s.view(self), b = s.view(mat2);
+    if (auto fast = medium_gemm(a, b, {}, 0, 1); fast.defined()) {
+      return fast;
+    }
+    return on_mxu(a, b, [](const at::Tensor& x, const at::Tensor& y, bool) { return at::mm(x, y); });
   });
 }
 
@@ -71,7 +84,11 @@ at::Tensor tpu_addmm(const at::Tensor& self, const at::Tensor& mat1, const at::T
                  const c10::Scalar& beta, const c10::Scalar& alpha) {
   return on_host(mat1, [&](HostScope& s) {
     const auto bias = s.view(self);
-    return on_mxu(s.view(mat1), s.view(mat2), [&](const at::Tensor& a, const at::Tensor& b, bool rest) {
+    const auto a = s.view(mat1), b = s.view(mat2);
+    if (auto fast = medium_gemm(a, b, bias, beta, alpha); fast.defined()) {
+      return fast;
+    }
+    return on_mxu(a, b, [&](const at::Tensor& a, const at::Tensor& b, bool rest) {
       return rest ? at::addmm(bias, a, b, beta, alpha) : at::mm(a, b).mul_(alpha);
     });
   });
