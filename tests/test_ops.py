@@ -13,11 +13,6 @@ TPU = torch.device("tpu:0")
 TPU1 = torch.device("tpu:1")
 
 
-def on_tpu(t, device=TPU):
-    assert t.device == torch.device(device), f"expected {device}, got {t.device}"
-    return t
-
-
 def same(tpu_result, cpu_result, **kw):
     """A tpu result equals the CPU result (same dtype and shape, close values)."""
     assert tpu_result.device.type == "tpu"
@@ -344,6 +339,15 @@ def test_add_out_resizes_wrong_size_out():
     r = torch.add(a_t, 1, out=out)
     assert r is out and out.shape == (3, 4) and out.device == TPU
     same(out, a_c + 1)
+    # On tpu:1 the grown buffer must stay on tpu:1.
+    out1 = torch.empty(0, device="tpu:1")
+    torch.mul(a_t.to("tpu:1"), 3, out=out1)
+    assert out1.device == TPU1 and out1.untyped_storage().device == TPU1
+    same(out1, a_c * 3)
+    mm_out = torch.empty(0, device="tpu:1")
+    torch.mm(a_t.to("tpu:1"), a_t.t().to("tpu:1"), out=mm_out)
+    assert mm_out.untyped_storage().device == TPU1
+    same(mm_out, a_c @ a_c.t())
 
 
 def test_mm_out_with_wrong_size_out_is_resized():
@@ -360,6 +364,37 @@ def test_mm_out_with_wrong_size_out_is_resized():
     torch.mm(a_t, b_t, out=out2)
     assert out2.data_ptr() == ptr
     same(out2, torch.mm(a_c, b_c))
+
+
+def test_matmul_out_into_noncontiguous_views():
+    # A right-size out= that is a strided view must be filled through its strides.
+    a_c, a_t = cpu_and_tpu(3, 5, seed=47)
+    b_c, b_t = cpu_and_tpu(5, 2, seed=48)
+    bb_c, bb_t = cpu_and_tpu(2, 3, 5, seed=49)
+    bc_c, bc_t = cpu_and_tpu(2, 5, 2, seed=50)
+    results = []
+    for dev, a, b, b1, b2 in (("cpu", a_c, b_c, bb_c, bc_c), ("tpu", a_t, b_t, bb_t, bc_t)):
+        base = torch.zeros(2, 3, device=dev)
+        torch.mm(a, b, out=base.t())
+        corner = torch.zeros(4, 4, device=dev)
+        torch.mm(a, b, out=corner[:3, :2])
+        bias = torch.ones(2, device=dev)
+        addmm_base = torch.zeros(2, 3, device=dev)
+        torch.addmm(bias, a, b, beta=0.5, out=addmm_base.t())
+        bmm_base = torch.zeros(2, 2, 3, device=dev)
+        torch.bmm(b1, b2, out=bmm_base.transpose(1, 2))
+        results.append((base, corner, addmm_base, bmm_base))
+    for t, c in zip(results[1], results[0]):
+        same(t, c)
+
+
+def test_matmul_out_with_wrong_dtype_raises_like_cpu():
+    a_c, a_t = cpu_and_tpu(3, 4, seed=51)
+    for a, dev in ((a_c, "cpu"), (a_t, "tpu")):
+        with pytest.raises(RuntimeError, match="dtype"):
+            torch.mm(a, a.t(), out=torch.empty(3, 3, dtype=torch.float64, device=dev))
+        with pytest.raises(RuntimeError, match="dtype"):
+            torch.bmm(a[None], a.t()[None], out=torch.empty(1, 3, 3, dtype=torch.float64, device=dev))
 
 
 def test_cat_out():
@@ -402,6 +437,16 @@ def test_resize_grow_keeps_prefix():
     assert torch.equal(t.flatten()[:6].cpu(), c)
     t.fill_(1.5)
     same(t, torch.full((4, 5), 1.5))
+
+
+def test_resize_same_size_keeps_strides():
+    # Like CPU: resize_ to the current sizes is a no-op, strides are untouched.
+    for make in (lambda d: torch.zeros(4, 3, device=d).t(), lambda d: torch.zeros(4, 4, device=d)[:3, :2]):
+        c, t = make("cpu"), make("tpu")
+        c.resize_(c.shape)
+        t.resize_(t.shape)
+        assert t.stride() == c.stride()
+        assert t.storage_offset() == c.storage_offset()
 
 
 def test_resize_shrink_and_on_tpu1():
@@ -531,15 +576,31 @@ def test_mixed_device_scalar_tensor():
     r = t * s
     assert r.device == TPU
     same(r, c * s)
-    with pytest.raises(RuntimeError):
-        t + torch.ones(3)  # non-scalar CPU operand is a device mismatch
+    same(s + t, s + c)
+    same(t.clone().add_(s), c + s)
 
 
-def test_cross_device_op_raises():
-    a = torch.ones(3, device="tpu:0")
-    b = torch.ones(3, device="tpu:1")
-    with pytest.raises(RuntimeError):
-        a + b
+_MIXED_DEVICE_OPS = {
+    "add_tpu0_tpu1": lambda: torch.ones(3, device="tpu:0") + torch.ones(3, device="tpu:1"),
+    "add_cpu_tpu0": lambda: torch.ones(3) + torch.ones(3, device="tpu:0"),
+    "add_inplace_tpu1_tpu0": lambda: torch.ones(3, device="tpu:1").add_(torch.ones(3, device="tpu:0")),
+    "add_out_on_tpu1": lambda: torch.add(torch.ones(3, device="tpu:0"), 1, out=torch.empty(3, device="tpu:1")),
+    "add_out_on_cpu": lambda: torch.add(torch.ones(3, device="tpu:0"), 1, out=torch.empty(3)),
+    "mm_tpu0_tpu1": lambda: torch.mm(torch.ones(2, 3, device="tpu:0"), torch.ones(3, 2, device="tpu:1")),
+    "mm_cpu_tpu0": lambda: torch.mm(torch.ones(2, 3), torch.ones(3, 2, device="tpu:0")),
+    "cat_tpu0_tpu1": lambda: torch.cat([torch.ones(2, device="tpu:0"), torch.ones(2, device="tpu:1")]),
+    "where_tpu0_tpu1": lambda: torch.where(
+        torch.ones(2, device="tpu:0") > 0, torch.ones(2, device="tpu:1"), torch.zeros(2, device="tpu:0")
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_MIXED_DEVICE_OPS))
+def test_mixed_device_ops_raise(name):
+    # PyTorch's device contract (as on CUDA): non-scalar operands and out= tensors
+    # on different devices are an error, never a silent cross-device computation.
+    with pytest.raises(RuntimeError, match="device"):
+        _MIXED_DEVICE_OPS[name]()
 
 
 # --------------------------------------------------------------------------- dtypes

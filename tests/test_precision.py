@@ -39,11 +39,11 @@ def test_default_is_medium_and_cpu_setting_is_separate():
         ("linear", lambda a, b: torch.nn.functional.linear(a, b.t())),
         ("einsum", lambda a, b: torch.einsum("ik,kj->ij", a, b)),
         ("bmm", lambda a, b: torch.bmm(a.expand(3, -1, -1), b.expand(3, -1, -1))),
-        ("addmm", lambda a, b: torch.addmm(torch.ones(a.shape[0], b.shape[1]), a, b, beta=0.5, alpha=2)),
+        ("addmm", lambda a, b: torch.addmm(torch.ones(a.shape[0], b.shape[1], device=a.device), a, b, beta=0.5, alpha=2)),
         ("mv", lambda a, b: a @ b[:, 0].contiguous()),
         ("mm_strided", lambda a, b: a[:, ::2] @ b[::2, :]),
         ("mm_transposed", lambda a, b: (b.t() @ a.t()).t()),
-        ("addmm_row_bias", lambda a, b: torch.addmm(torch.arange(b.shape[1]) * 0.1, a, b)),
+        ("addmm_row_bias", lambda a, b: torch.addmm(torch.arange(b.shape[1], device=a.device) * 0.1, a, b)),
     ],
 )
 def test_medium_equals_the_bf16_rounded_reference(operands, name, fn):

@@ -28,37 +28,47 @@ bool is_generator_arg(const c10::Argument& arg) {
   return false;
 }
 
-// Where the op runs: the device of its first tpu tensor or tpu device
-// argument. `to_cpu` is set when the op names the cpu as its target device,
-// so its results stay in CPU memory.
-c10::DeviceIndex find_device(c10::ArrayRef<c10::IValue> args, bool* to_cpu) {
+// Index tensors of these ops may stay on the CPU, as on CUDA.
+bool allows_cpu_tensors(const c10::OperatorName& name) {
+  static const std::unordered_set<std::string> ops = {
+      "aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_",
+      "aten::_unsafe_index", "aten::_unsafe_index_put"};
+  return ops.count(name.name) > 0;
+}
+
+// Where the op runs: the device its tpu tensors share (checked, as CUDA
+// checks), or its tpu device argument. `to_cpu` is set when the op names the
+// cpu as its target device, so its results stay in CPU memory.
+c10::DeviceIndex find_device(const c10::FunctionSchema& schema, c10::ArrayRef<c10::IValue> args,
+                             bool* to_cpu) {
   c10::DeviceIndex device = -1;
   *to_cpu = false;
-  auto consider = [&](const at::Tensor& t) {
-    if (device < 0 && is_tpu(t)) {
-      device = t.device().index();
-    }
-  };
+  const char* op = schema.name().c_str();
+  const bool allow_cpu = allows_cpu_tensors(schema.operator_name());
   for (const auto& v : args) {
     if (v.isTensor()) {
-      consider(v.toTensor());
+      check_operand_device(op, v.toTensor(), &device, allow_cpu);
     } else if (v.isTensorList()) {
       for (const at::Tensor& t : v.toTensorList()) {
-        consider(t);
+        check_operand_device(op, t, &device, allow_cpu);
       }
     } else if (v.isOptionalTensorList()) {
       for (const std::optional<at::Tensor>& t : v.toOptionalTensorList()) {
         if (t.has_value()) {
-          consider(*t);
+          check_operand_device(op, *t, &device, allow_cpu);
         }
       }
-    } else if (v.isDevice()) {
-      const auto d = v.toDevice();
-      if (d.type() == c10::DeviceType::CPU) {
-        *to_cpu = true;
-      } else if (device < 0 && d.type() == c10::DeviceType::PrivateUse1) {
-        device = d.has_index() ? d.index() : current_device();
-      }
+    }
+  }
+  for (const auto& v : args) {
+    if (!v.isDevice()) {
+      continue;
+    }
+    const auto d = v.toDevice();
+    if (d.type() == c10::DeviceType::CPU) {
+      *to_cpu = true;
+    } else if (device < 0 && d.type() == c10::DeviceType::PrivateUse1) {
+      device = d.has_index() ? d.index() : current_device();
     }
   }
   return device < 0 ? current_device() : device;
@@ -122,7 +132,7 @@ void tpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   auto args = torch::jit::last(*stack, num_args);
 
   bool to_cpu = false;
-  const c10::DeviceIndex device = find_device(args, &to_cpu);
+  const c10::DeviceIndex device = find_device(schema, args, &to_cpu);
   wait_current_stream(device);
   HostScope scope(device, /*redirect=*/!to_cpu);
   for (size_t i = 0; i < num_args; ++i) {

@@ -24,6 +24,35 @@ bool same_geometry(const at::Tensor& a, const at::Tensor& b) {
 
 } // namespace
 
+void check_operand_device(const char* op, const at::Tensor& t, c10::DeviceIndex* device,
+                          bool allow_cpu_tensors) {
+  if (!t.defined()) {
+    return;
+  }
+  if (is_tpu(t)) {
+    const auto index = t.device().index();
+    TORCH_CHECK(
+        *device < 0 || *device == index,
+        "Expected all tensors to be on the same device, but found at least two devices, tpu:",
+        static_cast<int>(*device), " and tpu:", static_cast<int>(index), "! (in ", op, ")");
+    *device = index;
+    return;
+  }
+  TORCH_CHECK(
+      allow_cpu_tensors || t.dim() == 0,
+      "Expected all tensors to be on the same device, but found at least two devices, ",
+      t.device(), " and tpu! (in ", op, "; only 0-dim cpu tensors mix with tpu tensors)");
+}
+
+c10::DeviceIndex common_device(const char* op, c10::ArrayRef<at::Tensor> tensors,
+                               bool allow_cpu_tensors) {
+  c10::DeviceIndex device = -1;
+  for (const auto& t : tensors) {
+    check_operand_device(op, t, &device, allow_cpu_tensors);
+  }
+  return device < 0 ? current_device() : device;
+}
+
 at::Tensor make_tpu_tensor(c10::Storage storage, const at::Tensor& like) {
   return make_tensor(std::move(storage), c10::DispatchKey::PrivateUse1, like);
 }

@@ -57,6 +57,16 @@ class HostScope {
   c10::SmallVector<ViewPair, 4> views_;
 };
 
+// The device all tpu operands share. Raises, as CUDA does, when they sit on
+// different devices or when a CPU tensor that is not a 0-dim scalar is mixed
+// in (unless allow_cpu_tensors: indices of index/index_put may be on the CPU).
+c10::DeviceIndex common_device(const char* op, c10::ArrayRef<at::Tensor> tensors,
+                               bool allow_cpu_tensors = false);
+
+// Checks one operand against the device found so far (-1: none yet).
+void check_operand_device(const char* op, const at::Tensor& t, c10::DeviceIndex* device,
+                          bool allow_cpu_tensors);
+
 // A tpu tensor with the geometry of `like` on the given tpu storage.
 at::Tensor make_tpu_tensor(c10::Storage storage, const at::Tensor& like);
 

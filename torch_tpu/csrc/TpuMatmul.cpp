@@ -26,8 +26,9 @@ namespace {
 
 // Runs `compute` on views inside a HostScope and returns its result on tpu.
 template <class F>
-at::Tensor on_host(const at::Tensor& like, F compute) {
-  HostScope scope(like.device().index());
+at::Tensor on_host(const char* op, std::initializer_list<at::Tensor> operands, F compute) {
+  const c10::DeviceIndex device = common_device(op, operands);
+  HostScope scope(device);
   at::Tensor result = compute(scope);
   scope.write_back();
   return scope.adopt(result);
@@ -35,6 +36,10 @@ at::Tensor on_host(const at::Tensor& like, F compute) {
 
 // out= variants: compute, then resize and fill `out` in place.
 at::Tensor& into(at::Tensor& out, const at::Tensor& result) {
+  TORCH_CHECK(
+      out.scalar_type() == result.scalar_type(), "Expected out tensor to have dtype ",
+      result.scalar_type(), ", but got ", out.scalar_type(), " instead");
+  common_device("out=", {out, result});
   out.resize_(result.sizes());
   out.copy_(result);
   return out;
@@ -50,7 +55,7 @@ at::Tensor medium_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tenso
 }
 
 at::Tensor tpu_mm(const at::Tensor& self, const at::Tensor& mat2) {
-  return on_host(self, [&](HostScope& s) {
+  return on_host("mm", {self, mat2}, [&](HostScope& s) {
     const auto a = s.view(self), b = s.view(mat2);
     if (auto fast = medium_gemm(a, b, {}, 0, 1); fast.defined()) {
       return fast;
@@ -60,21 +65,21 @@ at::Tensor tpu_mm(const at::Tensor& self, const at::Tensor& mat2) {
 }
 
 at::Tensor tpu_bmm(const at::Tensor& self, const at::Tensor& mat2) {
-  return on_host(self, [&](HostScope& s) {
+  return on_host("bmm", {self, mat2}, [&](HostScope& s) {
     return on_mxu(s.view(self), s.view(mat2),
                   [](const at::Tensor& a, const at::Tensor& b, bool) { return at::bmm(a, b); });
   });
 }
 
 at::Tensor tpu_mv(const at::Tensor& self, const at::Tensor& vec) {
-  return on_host(self, [&](HostScope& s) {
+  return on_host("mv", {self, vec}, [&](HostScope& s) {
     return on_mxu(s.view(self), s.view(vec),
                   [](const at::Tensor& a, const at::Tensor& b, bool) { return at::mv(a, b); });
   });
 }
 
 at::Tensor tpu_dot(const at::Tensor& self, const at::Tensor& other) {
-  return on_host(self, [&](HostScope& s) {
+  return on_host("dot", {self, other}, [&](HostScope& s) {
     return on_mxu(s.view(self), s.view(other),
                   [](const at::Tensor& a, const at::Tensor& b, bool) { return at::dot(a, b); });
   });
@@ -82,7 +87,7 @@ at::Tensor tpu_dot(const at::Tensor& self, const at::Tensor& other) {
 
 at::Tensor tpu_addmm(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2,
                  const c10::Scalar& beta, const c10::Scalar& alpha) {
-  return on_host(mat1, [&](HostScope& s) {
+  return on_host("addmm", {self, mat1, mat2}, [&](HostScope& s) {
     const auto bias = s.view(self);
     const auto a = s.view(mat1), b = s.view(mat2);
     if (auto fast = medium_gemm(a, b, bias, beta, alpha); fast.defined()) {
@@ -96,7 +101,7 @@ at::Tensor tpu_addmm(const at::Tensor& self, const at::Tensor& mat1, const at::T
 
 at::Tensor tpu_baddbmm(const at::Tensor& self, const at::Tensor& batch1, const at::Tensor& batch2,
                    const c10::Scalar& beta, const c10::Scalar& alpha) {
-  return on_host(batch1, [&](HostScope& s) {
+  return on_host("baddbmm", {self, batch1, batch2}, [&](HostScope& s) {
     const auto bias = s.view(self);
     return on_mxu(s.view(batch1), s.view(batch2), [&](const at::Tensor& a, const at::Tensor& b, bool rest) {
       return rest ? at::baddbmm(bias, a, b, beta, alpha) : at::bmm(a, b).mul_(alpha);
@@ -106,7 +111,7 @@ at::Tensor tpu_baddbmm(const at::Tensor& self, const at::Tensor& batch1, const a
 
 at::Tensor tpu_addmv(const at::Tensor& self, const at::Tensor& mat, const at::Tensor& vec,
                  const c10::Scalar& beta, const c10::Scalar& alpha) {
-  return on_host(mat, [&](HostScope& s) {
+  return on_host("addmv", {self, mat, vec}, [&](HostScope& s) {
     const auto bias = s.view(self);
     return on_mxu(s.view(mat), s.view(vec), [&](const at::Tensor& a, const at::Tensor& b, bool rest) {
       return rest ? at::addmv(bias, a, b, beta, alpha) : at::mv(a, b).mul_(alpha);
@@ -142,7 +147,7 @@ at::Tensor convolution(const at::Tensor& input, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
                        c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed,
                        c10::IntArrayRef output_padding, int64_t groups) {
-  return on_host(input, [&](HostScope& s) {
+  return on_host("convolution", {input, weight, bias.value_or(at::Tensor())}, [&](HostScope& s) {
     std::optional<at::Tensor> b;
     if (bias.has_value() && bias->defined()) {
       b = s.view(*bias);
@@ -158,7 +163,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
     c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed,
     c10::IntArrayRef output_padding, int64_t groups, std::array<bool, 3> output_mask) {
-  HostScope scope(input.device().index());
+  HostScope scope(common_device("convolution_backward", {grad_output, input, weight}));
   const auto go = scope.view(grad_output);
   const auto x = scope.view(input);
   const auto w = scope.view(weight);

@@ -99,10 +99,13 @@ void grow_storage(const at::Tensor& self, size_t nbytes) {
 const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
                           std::optional<c10::MemoryFormat> memory_format) {
   auto* impl = self.unsafeGetTensorImpl();
-  impl->set_sizes_contiguous(size);
-  const auto nbytes = at::detail::computeStorageNbytesContiguous(
-      size, self.dtype().itemsize(), self.storage_offset());
-  grow_storage(self, nbytes);
+  // As on CPU: the same sizes keep the strides (a transposed tensor stays so).
+  if (!self.sizes().equals(size)) {
+    impl->set_sizes_contiguous(size);
+    const auto nbytes = at::detail::computeStorageNbytesContiguous(
+        size, self.dtype().itemsize(), self.storage_offset());
+    grow_storage(self, nbytes);
+  }
   if (memory_format.has_value()) {
     TORCH_CHECK(*memory_format != c10::MemoryFormat::Preserve, "Unsupported memory format Preserve");
     impl->empty_tensor_restride(*memory_format);
