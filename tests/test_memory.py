@@ -77,9 +77,39 @@ def test_oom_inside_an_op_leaves_inputs_intact():
     torch.testing.assert_close(x.cpu(), torch.ones(8))
 
 
-def test_empty_cache_keeps_counts():
-    x = torch.ones(100, device="tpu")
-    before = torch.tpu.memory_allocated()
+def test_freed_blocks_are_cached_and_reused():
     torch.tpu.empty_cache()
-    assert torch.tpu.memory_allocated() == before
+    x = torch.empty(3 * MiB, dtype=torch.uint8, device="tpu")
+    address = x.data_ptr()
+    reserved = torch.tpu.memory_reserved()
     del x
+    assert torch.tpu.memory_reserved() == reserved  # kept for reuse
+    y = torch.empty(3 * MiB, dtype=torch.uint8, device="tpu")
+    assert y.data_ptr() == address
+    assert torch.tpu.memory_reserved() == reserved
+    del y
+
+
+def test_empty_cache_releases_reserved_but_keeps_live_counts():
+    x = torch.ones(100, device="tpu")
+    torch.empty(2 * MiB, dtype=torch.uint8, device="tpu")  # freed at once: cached
+    allocated = torch.tpu.memory_allocated()
+    assert torch.tpu.memory_reserved() >= allocated + 2 * MiB
+    torch.tpu.empty_cache()
+    assert torch.tpu.memory_allocated() == allocated
+    assert torch.tpu.memory_reserved() == allocated
+    del x
+
+
+def test_a_request_that_needs_the_cache_releases_it_instead_of_failing():
+    capacity = torch.tpu.get_device_properties().total_memory
+    torch.tpu.empty_cache()
+    in_use = torch.tpu.memory_allocated()
+    big = (capacity - in_use) // 2
+    torch.empty(big, dtype=torch.uint8, device="tpu")  # freed: cached
+    retries = torch.tpu.memory_stats()["num_alloc_retries"]
+    y = torch.empty(big + MiB, dtype=torch.uint8, device="tpu")  # needs the cached bytes
+    assert torch.tpu.memory_stats()["num_alloc_retries"] == retries + 1
+    assert torch.tpu.memory_reserved() == torch.tpu.memory_allocated()
+    del y
+    torch.tpu.empty_cache()

@@ -18,11 +18,12 @@ constexpr int kMaxDevices = 64;
 constexpr auto kAll = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
 
 struct Block {
-  size_t size;
+  size_t size;       // bytes of host memory behind the block
+  size_t requested;  // bytes the caller asked for
   c10::DeviceIndex device;
 };
 
-// Blocks ordered by address so interior pointers resolve to their block.
+// Live blocks ordered by address, so interior pointers resolve to their block.
 class BlockMap {
  public:
   void insert(void* ptr, Block block) {
@@ -59,9 +60,14 @@ class BlockMap {
   std::map<uintptr_t, Block> blocks_;
 };
 
+// Per device: statistics and the cache of freed blocks. Freed blocks are kept
+// for reuse, as a device's caching allocator does: handing fresh host memory
+// back to the OS and faulting it in again costs more than the kernels that
+// fill it.
 struct DeviceLedger {
   std::mutex mu;
   c10::CachingDeviceAllocator::DeviceStats stats;
+  std::multimap<size_t, void*> cached;  // size -> block
 };
 
 BlockMap& device_blocks() {
@@ -74,17 +80,38 @@ DeviceLedger& ledger(c10::DeviceIndex device) {
   return (*ledgers)[device];
 }
 
-void update_stats(c10::CachingDeviceAllocator::DeviceStats& s, size_t n, bool add) {
-  // No cache and no splitting: every allocation is its own segment, and
-  // allocated, reserved, active and requested bytes move together.
-  for (auto* stat : {&s.allocation[kAll], &s.segment[kAll], &s.active[kAll]}) {
-    add ? stat->increase(1) : stat->decrease(1);
-  }
-  for (auto* stat : {&s.allocated_bytes[kAll], &s.reserved_bytes[kAll],
-                     &s.active_bytes[kAll], &s.requested_bytes[kAll]}) {
-    add ? stat->increase(n) : stat->decrease(n);
-  }
+void count(c10::CachingAllocator::StatArray& stat, size_t n, bool add) {
+  add ? stat[kAll].increase(n) : stat[kAll].decrease(n);
+}
+
+// A block handed to or taken back from a caller.
+void count_live(c10::CachingDeviceAllocator::DeviceStats& s, size_t requested, bool add) {
+  count(s.allocation, 1, add);
+  count(s.active, 1, add);
+  count(s.allocated_bytes, requested, add);
+  count(s.active_bytes, requested, add);
+  count(s.requested_bytes, requested, add);
+}
+
+// Host memory taken or released.
+void count_reserved(c10::CachingDeviceAllocator::DeviceStats& s, size_t size, bool add) {
+  count(s.segment, 1, add);
+  count(s.reserved_bytes, size, add);
   add ? ++s.num_device_alloc : ++s.num_device_free;
+}
+
+// Frees every cached block of the device. Caller holds l.mu.
+void release_cached(DeviceLedger& l) {
+  for (auto& [size, ptr] : l.cached) {
+    c10::free_cpu(ptr);
+    count_reserved(l.stats, size, /*add=*/false);
+  }
+  l.cached.clear();
+}
+
+// A cached block serves a request when it wastes at most an eighth of it.
+size_t reuse_slack(size_t nbytes) {
+  return std::max<size_t>(nbytes / 8, 512);
 }
 
 void tpu_free(void* ptr) {
@@ -92,10 +119,10 @@ void tpu_free(void* ptr) {
   if (!device_blocks().erase(ptr, &block)) {
     return;
   }
-  c10::free_cpu(ptr);
   auto& l = ledger(block.device);
   std::lock_guard<std::mutex> lock(l.mu);
-  update_stats(l.stats, block.size, /*add=*/false);
+  count_live(l.stats, block.requested, /*add=*/false);
+  l.cached.emplace(block.size, ptr);
 }
 
 std::string format_bytes(int64_t n) {
@@ -155,7 +182,7 @@ class PinnedAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
     void* ptr = nbytes ? c10::alloc_cpu(nbytes) : nullptr;
     if (ptr) {
-      pinned_blocks().insert(ptr, Block{nbytes, -1});
+      pinned_blocks().insert(ptr, Block{nbytes, nbytes, -1});
     }
     return {ptr, ptr, &pinned_free, c10::Device(c10::DeviceType::CPU)};
   }
@@ -178,34 +205,49 @@ c10::DataPtr TpuAllocator::allocate_on(size_t nbytes, c10::DeviceIndex device) {
     return {nullptr, nullptr, &tpu_free, dev};
   }
   auto& l = ledger(device);
+  void* ptr = nullptr;
+  size_t size = nbytes;
   {
     std::lock_guard<std::mutex> lock(l.mu);
-    const int64_t in_use = l.stats.allocated_bytes[kAll].current;
-    const int64_t capacity = hbm_capacity();
-    if (in_use + static_cast<int64_t>(nbytes) > capacity) {
-      ++l.stats.num_ooms;
-      TORCH_CHECK_WITH(
-          OutOfMemoryError, false,
-          "tpu:", static_cast<int>(device), " out of memory: tried to allocate ",
-          format_bytes(nbytes), " with ", format_bytes(in_use), " in use of ",
-          format_bytes(capacity), " HBM capacity. Free tensors you no longer "
-          "need, use a smaller batch, or raise the emulated capacity with "
-          "TORCH_TPU_HBM_BYTES.");
+    auto it = l.cached.lower_bound(nbytes);
+    if (it != l.cached.end() && it->first <= nbytes + reuse_slack(nbytes)) {
+      size = it->first;
+      ptr = it->second;
+      l.cached.erase(it);
+    } else {
+      const int64_t capacity = hbm_capacity();
+      auto fits = [&] {
+        return l.stats.reserved_bytes[kAll].current + static_cast<int64_t>(nbytes) <= capacity;
+      };
+      if (!fits() && !l.cached.empty()) {
+        release_cached(l);
+        ++l.stats.num_alloc_retries;
+      }
+      if (!fits()) {
+        ++l.stats.num_ooms;
+        TORCH_CHECK_WITH(
+            OutOfMemoryError, false,
+            "tpu:", static_cast<int>(device), " out of memory: tried to allocate ",
+            format_bytes(nbytes), " with ", format_bytes(l.stats.allocated_bytes[kAll].current),
+            " allocated of ", format_bytes(capacity), " HBM capacity. Free tensors you no "
+            "longer need, use a smaller batch, or raise the emulated capacity with "
+            "TORCH_TPU_HBM_BYTES.");
+      }
+      ptr = c10::alloc_cpu(nbytes);
+      count_reserved(l.stats, nbytes, /*add=*/true);
     }
-    // Counted before the host allocation so concurrent callers cannot
-    // overshoot the capacity together.
-    update_stats(l.stats, nbytes, /*add=*/true);
+    count_live(l.stats, nbytes, /*add=*/true);
   }
-  void* ptr = nullptr;
-  try {
-    ptr = c10::alloc_cpu(nbytes);
-  } catch (...) {
-    std::lock_guard<std::mutex> lock(l.mu);
-    update_stats(l.stats, nbytes, /*add=*/false);
-    throw;
-  }
-  device_blocks().insert(ptr, Block{nbytes, device});
+  device_blocks().insert(ptr, Block{size, nbytes, device});
   return {ptr, ptr, &tpu_free, dev};
+}
+
+void TpuAllocator::emptyCache(c10::MempoolId_t /*mempool_id*/) {
+  for (c10::DeviceIndex d = 0; d < device_count(); ++d) {
+    auto& l = ledger(d);
+    std::lock_guard<std::mutex> lock(l.mu);
+    release_cached(l);
+  }
 }
 
 c10::DeleterFnPtr TpuAllocator::raw_deleter() const {
@@ -237,6 +279,7 @@ void TpuAllocator::resetAccumulatedStats(c10::DeviceIndex device) {
     }
   }
   s.num_ooms = 0;
+  s.num_alloc_retries = 0;
   s.num_device_alloc = 0;
   s.num_device_free = 0;
 }

@@ -1,7 +1,9 @@
 #pragma once
 // Emulated HBM: tpu tensors own host memory handed out here, counted per
-// device against the chip's capacity. Exceeding it raises
-// torch.OutOfMemoryError; the process keeps working afterwards.
+// device against the chip's capacity. Freed blocks are cached for reuse
+// (memory_reserved >= memory_allocated; empty_cache() releases them). A
+// request that does not fit releases the cache and retries; if it still does
+// not fit it raises torch.OutOfMemoryError and the process keeps working.
 
 #include <c10/core/CachingDeviceAllocator.h>
 
@@ -16,8 +18,8 @@ class TpuAllocator final : public c10::DeviceAllocator {
   void copy_data(void* dest, const void* src, std::size_t count) const override;
 
   bool initialized() override { return true; }
-  // No cache: reserved == allocated, so there is nothing to release.
-  void emptyCache(c10::MempoolId_t /*mempool_id*/ = {0, 0}) override {}
+  // Returns every cached block to the host.
+  void emptyCache(c10::MempoolId_t mempool_id = {0, 0}) override;
   // Work runs in order on the host, so a block is never in use by a stream
   // after its owner frees it.
   void recordStream(const c10::DataPtr& /*ptr*/, c10::Stream /*stream*/) override {}
