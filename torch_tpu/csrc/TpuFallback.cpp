@@ -170,11 +170,12 @@ TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&tpu_fallback>());
 }
 
-// A structured op's functional form reaches a backend without a kernel of its
-// own as a generic wrapper: allocate an output, then run the out= kernel
-// (which for some ops, mse_loss among them, warns about resizing it). Send
-// the functional and in-place forms straight to their CPU kernels instead:
-// one call instead of three, the same result.
+// Ops with a CPU kernel of their own reach other backends through generic
+// composite kernels: a structured op's functional form as "allocate, then run
+// the out= kernel" (which for some ops, mse_loss among them, warns about
+// resizing), and a few ops (native_layer_norm, native_group_norm, addr) as
+// decompositions that round bf16 intermediates differently from the CPU
+// kernel. Send them straight to their CPU kernels: one call, CPU's results.
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   auto& dispatcher = c10::Dispatcher::singleton();
   for (const auto& name : dispatcher.getAllOpNames()) {
@@ -183,8 +184,9 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
     }
     auto op = dispatcher.findOp(name);
     if (!op || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
-        !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional) ||
-        !op->hasKernelForDispatchKey(c10::DispatchKey::CPU)) {
+        !op->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
+        !(op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional) ||
+          op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd))) {
       continue;
     }
     const std::string qualified = name.overload_name.empty()

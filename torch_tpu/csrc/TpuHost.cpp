@@ -158,7 +158,7 @@ c10::Storage HostScope::tpu_storage_for(const c10::Storage& cpu) {
     data.unsafe_set_device(c10::Device(c10::DeviceType::PrivateUse1, device_));
   } else {
     data = tpu_allocator().allocate_on(nbytes, device_);
-    if (nbytes) {
+    if (nbytes && impl->data()) {
       std::memcpy(data.get(), impl->data(), nbytes);
     }
   }

@@ -164,6 +164,28 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
   return copy_from(self, dst, false);
 }
 
+// A ZeroTensor owns no memory: every element is zero by definition.
+class NoMemoryAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t /*nbytes*/) override {
+    return {nullptr, c10::Device(c10::DeviceType::PrivateUse1, current_device())};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  void copy_data(void* /*dest*/, const void* /*src*/, std::size_t count) const override {
+    TORCH_CHECK(count == 0, "a ZeroTensor has no memory to copy");
+  }
+};
+
+at::Tensor efficient_zero_tensor(
+    c10::IntArrayRef size, std::optional<c10::ScalarType> dtype, std::optional<c10::Layout> layout,
+    std::optional<c10::Device> device, std::optional<bool> /*pin_memory*/) {
+  static NoMemoryAllocator allocator;
+  DeviceScope scope(index_of(device));
+  return at::detail::empty_generic(
+      size, &allocator, kTpuKeys | c10::DispatchKeySet(c10::DispatchKey::ZeroTensor),
+      c10::dtype_or_default(dtype), std::nullopt);
+}
+
 c10::Scalar local_scalar_dense(const at::Tensor& self) {
   HostScope scope(self.device().index());
   return at::_local_scalar_dense(scope.view(self));
@@ -185,6 +207,20 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from", copy_from);
   m.impl("_copy_from_and_resize", copy_from_and_resize);
   m.impl("_local_scalar_dense", local_scalar_dense);
+  m.impl("_efficientzerotensor", efficient_zero_tensor);
+}
+
+// Our cross-device copy reads conjugate and negative views as they are (the
+// CPU copy kernel resolves the bits), so those keys must not materialize its
+// arguments first: materializing is a clone, which copies, which recurses.
+TORCH_LIBRARY_IMPL(aten, Conjugate, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+
+TORCH_LIBRARY_IMPL(aten, Negative, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
 }
 
 } // namespace torch_tpu
