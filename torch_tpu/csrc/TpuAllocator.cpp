@@ -258,44 +258,46 @@ void TpuAllocator::copy_data(void* dest, const void* src, std::size_t count) con
   std::memcpy(dest, src, count);
 }
 
-c10::CachingDeviceAllocator::DeviceStats TpuAllocator::getDeviceStats(c10::DeviceIndex device) {
+namespace {
+
+// Runs fn(stats) for the device under its ledger's lock.
+template <class F>
+auto with_stats(c10::DeviceIndex device, F fn) {
   device = resolve(device);
   check_device_index(device);
   auto& l = ledger(device);
   std::lock_guard<std::mutex> lock(l.mu);
-  return l.stats;
+  return fn(l.stats);
+}
+
+template <class F>
+void for_each_stat(c10::CachingDeviceAllocator::DeviceStats& s, F fn) {
+  for (auto* arr : {&s.allocation, &s.segment, &s.active, &s.allocated_bytes,
+                    &s.reserved_bytes, &s.active_bytes, &s.requested_bytes}) {
+    for (auto& stat : *arr) {
+      fn(stat);
+    }
+  }
+}
+
+} // namespace
+
+c10::CachingDeviceAllocator::DeviceStats TpuAllocator::getDeviceStats(c10::DeviceIndex device) {
+  return with_stats(device, [](auto& s) { return s; });
 }
 
 void TpuAllocator::resetAccumulatedStats(c10::DeviceIndex device) {
-  device = resolve(device);
-  check_device_index(device);
-  auto& l = ledger(device);
-  std::lock_guard<std::mutex> lock(l.mu);
-  auto& s = l.stats;
-  for (auto* arr : {&s.allocation, &s.segment, &s.active, &s.allocated_bytes,
-                    &s.reserved_bytes, &s.active_bytes, &s.requested_bytes}) {
-    for (auto& stat : *arr) {
-      stat.reset_accumulated();
-    }
-  }
-  s.num_ooms = 0;
-  s.num_alloc_retries = 0;
-  s.num_device_alloc = 0;
-  s.num_device_free = 0;
+  with_stats(device, [](auto& s) {
+    for_each_stat(s, [](auto& stat) { stat.reset_accumulated(); });
+    s.num_ooms = 0;
+    s.num_alloc_retries = 0;
+    s.num_device_alloc = 0;
+    s.num_device_free = 0;
+  });
 }
 
 void TpuAllocator::resetPeakStats(c10::DeviceIndex device) {
-  device = resolve(device);
-  check_device_index(device);
-  auto& l = ledger(device);
-  std::lock_guard<std::mutex> lock(l.mu);
-  auto& s = l.stats;
-  for (auto* arr : {&s.allocation, &s.segment, &s.active, &s.allocated_bytes,
-                    &s.reserved_bytes, &s.active_bytes, &s.requested_bytes}) {
-    for (auto& stat : *arr) {
-      stat.reset_peak();
-    }
-  }
+  with_stats(device, [](auto& s) { for_each_stat(s, [](auto& stat) { stat.reset_peak(); }); });
 }
 
 std::pair<size_t, size_t> TpuAllocator::getMemoryInfo(c10::DeviceIndex device) {

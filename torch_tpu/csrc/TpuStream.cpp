@@ -166,6 +166,10 @@ struct Event {
     }
     cv.notify_all();
   }
+  uint64_t latest() {
+    std::lock_guard<std::mutex> lock(mu);
+    return recorded;
+  }
   void wait(uint64_t version) {
     std::unique_lock<std::mutex> lock(mu);
     if (completed >= version) {
@@ -258,14 +262,10 @@ void block_on_event(void* handle, c10::Stream s) {
     return;
   }
   auto* event = static_cast<Event*>(handle);
-  uint64_t version;
-  {
-    std::lock_guard<std::mutex> lock(event->mu);
-    version = event->recorded;
-    if (event->completed >= version) {
-      return;
-    }
+  if (query_event(handle)) {
+    return;
   }
+  const uint64_t version = event->latest();
   submit(s, [event, version] { event->wait(version); });
 }
 
@@ -283,12 +283,7 @@ void synchronize_event(void* handle) {
     return;
   }
   auto* event = static_cast<Event*>(handle);
-  uint64_t version;
-  {
-    std::lock_guard<std::mutex> lock(event->mu);
-    version = event->recorded;
-  }
-  event->wait(version);
+  event->wait(event->latest());
 }
 
 double elapsed_ms(void* start, void* end) {
