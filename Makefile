@@ -11,9 +11,13 @@ BUILD_ENV := TORCH_DEVICE_BACKEND_AUTOLOAD=0 MAX_JOBS=2
 
 setup: torch_tpu/_core.so
 
-$(VENV)/.deps: requirements-dev.txt
+# torchrec declares the CUDA fbgemm-gpu, which would replace the CPU build:
+# install it without dependencies and list what it needs in requirements-recsys.txt.
+$(VENV)/.deps: requirements-dev.txt requirements-recsys.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q -r requirements-dev.txt
+	$(PIP) install -q -r requirements-dev.txt -r requirements-recsys.txt
+	$(PIP) install -q --no-deps torchrec==1.8.0
+	$(PY) -c "import torchrec, fbgemm_gpu"
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.deps pyproject.toml setup.py

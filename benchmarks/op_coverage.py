@@ -2,7 +2,7 @@
 
     python -m benchmarks.op_coverage [--ops a,b] [--out benchmarks/results]
 
-Runs :mod:`benchmarks.opinfo_harness` over op_db (or the listed ops), prints
+Runs :mod:`benchmarks.opinfo` over op_db (or the listed ops), prints
 the pass rate by category and overall, forward and backward, as % of samples,
 and writes ``op_coverage.json`` and ``op_coverage.md`` into the out dir.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks import opinfo_harness as harness
+from benchmarks import opinfo as harness
 
 FORWARD_TARGET = 95.0
 BACKWARD_TARGET = 90.0
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"backward: {_pct(bwd).strip()}% of {bwd.total} samples pass   (target >= {BACKWARD_TARGET:.0f}%)"
           f"  {'OK' if harness.pct(bwd) >= BACKWARD_TARGET else 'BELOW TARGET'}")
     n_crash = sum("crashes the process" in r for r in [*results.excluded.values(), *results.excluded_backward.values()])
-    print(f"excluded ops: {len(results.excluded)} (see EXCLUDED in benchmarks/opinfo_harness.py), "
+    print(f"excluded ops: {len(results.excluded)} (see EXCLUDED in benchmarks/opinfo/exclusions.py), "
           f"backward-only exclusions: {len(results.excluded_backward)} (EXCLUDED_BACKWARD), "
           f"of which {n_crash} for crashes; "
           f"samples excluded by {len(harness.SAMPLE_RULES)} sample rules: "

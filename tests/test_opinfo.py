@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks import opinfo_harness as harness
+from benchmarks import opinfo as harness
 
 # ~40 ops across the categories: elementwise, reductions, matmul, shape and
 # view, indexing, nn.functional.
