@@ -110,6 +110,7 @@ def test_a_request_that_needs_the_cache_releases_it_instead_of_failing():
     retries = torch.tpu.memory_stats()["num_alloc_retries"]
     y = torch.empty(big + MiB, dtype=torch.uint8, device="tpu")  # needs the cached bytes
     assert torch.tpu.memory_stats()["num_alloc_retries"] == retries + 1
-    assert torch.tpu.memory_reserved() == torch.tpu.memory_allocated()
+    # The cached block was released; live blocks may keep a little slack.
+    assert torch.tpu.memory_reserved() - torch.tpu.memory_allocated() < MiB
     del y
     torch.tpu.empty_cache()
