@@ -93,11 +93,11 @@ def test_freed_blocks_are_cached_and_reused():
 def test_empty_cache_releases_reserved_but_keeps_live_counts():
     x = torch.ones(100, device="tpu")
     torch.empty(2 * MiB, dtype=torch.uint8, device="tpu")  # freed at once: cached
-    allocated = torch.tpu.memory_allocated()
-    assert torch.tpu.memory_reserved() >= allocated + 2 * MiB
+    allocated, reserved = torch.tpu.memory_allocated(), torch.tpu.memory_reserved()
+    assert reserved >= allocated + 2 * MiB
     torch.tpu.empty_cache()
     assert torch.tpu.memory_allocated() == allocated
-    assert torch.tpu.memory_reserved() == allocated
+    assert torch.tpu.memory_reserved() <= reserved - 2 * MiB
     del x
 
 
