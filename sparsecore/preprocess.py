@@ -1,0 +1,285 @@
+"""Host preprocessing: a KeyedJaggedTensor becomes per-SparseCore COO buffers.
+
+For each stack (sparsecore.stacking) the ids of its features are mapped to
+(owning SparseCore, local row), merged within a bag (duplicates sum their
+gains), sorted, and laid out per *receiving* SparseCore — the one that gets
+the bag's batch slice — as CSR-wrapped COO: for receiver ``s`` the entries
+owned by SparseCore ``o`` sit in ``[start(s, o), row_pointers[s, o])`` with
+every group starting at a multiple of 8. A partition is a (receiver, owner)
+pair; the SparseCore limits count entries and distinct rows per partition.
+
+Bags are the output rows of the stack: for pooled stacks bag ``f * B + b`` is
+feature ``f`` (in stack order) of sample ``b``; for sequence stacks every kept
+id is its own bag, numbered in order. Gains fold in the weights and the
+combiner: sum ``w``, mean ``w / n``, sqrtn ``w / sqrt(sum w^2)``.
+
+Example, one table of 8 rows on 2 SparseCores, batch 2, feature ``f``
+with bags ``[3, 3, 4]`` and ``[5]``::
+
+    ids 3,3 -> SparseCore 1 row 1, merged: one entry, gain 2
+    id 4    -> SparseCore 0 row 2;  id 5 -> SparseCore 1 row 2
+    receiver 0 (sample 0): owner 0: (row 2, bag 0, gain 1); owner 1, from offset 8: (row 1, bag 0, gain 2)
+    receiver 1 (sample 1): owner 1: (row 2, bag 1, gain 1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from sparsecore.errors import InputError, PartitionLimitError
+from sparsecore.stacking import StackSpec
+
+ALIGNMENT = 8
+"""Every owner group of a receiver's buffer starts at a multiple of this."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PartitionStats:
+    """What a batch needed of one stack's limits, for tuning them."""
+
+    max_ids_per_partition: int
+    """Most entries (after in-bag dedup) any partition carried, e.g. ``37``."""
+    max_unique_ids_per_partition: int
+    """Most distinct rows any partition carried, e.g. ``30``."""
+    dropped_ids: int = 0
+    """Entries dropped because of the limits (only with allow_id_dropping)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StackBatch:
+    """The COO buffers of one stack for one batch (all int32 but gains)."""
+
+    row_pointers: torch.Tensor
+    """(receivers, owners): end offset of each owner group in the receiver's buffer."""
+    embedding_ids: torch.Tensor
+    """(receivers, L): local row on the owning SparseCore; 0 in padding."""
+    sample_ids: torch.Tensor
+    """(receivers, L): output row (bag) of the entry; -1 in padding."""
+    gains: torch.Tensor
+    """(receivers, L) float32: weight times combiner scale; 0 in padding."""
+    num_bags: int
+    """Output rows of the stack for this batch."""
+    stats: PartitionStats
+
+    def group_start(self, receiver: int, owner: int) -> int:
+        if owner == 0:
+            return 0
+        end = int(self.row_pointers[receiver, owner - 1])
+        return -(-end // ALIGNMENT) * ALIGNMENT
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PreprocessedBatch:
+    """A batch ready for the SparseCore kernels: what ``sparsecore.preprocess`` returns."""
+
+    batch_size: int
+    """Samples in the batch, e.g. ``8192``."""
+    stacks: dict[str, StackBatch]
+    """Per stack name: its COO buffers."""
+    lengths: dict[str, torch.Tensor]
+    """Per sequence feature: ids kept per sample (after max_seq_len)."""
+
+    @property
+    def stats(self) -> dict[str, PartitionStats]:
+        return {name: s.stats for name, s in self.stacks.items()}
+
+
+def _feature_tables(stacks: Sequence[StackSpec]) -> dict[str, tuple[StackSpec, str]]:
+    out = {}
+    for stack in stacks:
+        for table in stack.tables:
+            for feature in table.feature_names:
+                out[feature] = (stack, table.name)
+    return out
+
+
+def _check_ids(feature: str, table: str, ids: torch.Tensor, num_embeddings: int) -> None:
+    if ids.numel() == 0:
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= num_embeddings:
+        bad = low if low < 0 else high
+        raise InputError(
+            f"feature {feature!r} (table {table!r}): id {bad} is out of range; expected 0 <= id < {num_embeddings}"
+        )
+
+
+def _gains(lengths: torch.Tensor, weights: torch.Tensor, combiner: str) -> torch.Tensor:
+    """Per-id gains: the weight scaled by the bag's combiner."""
+    if combiner in ("sum", "none"):
+        return weights
+    if combiner == "mean":
+        scale = 1.0 / lengths.clamp(min=1).to(torch.float32)
+    else:  # sqrtn
+        bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+        sq = torch.zeros(lengths.numel()).index_add_(0, bag, weights * weights)
+        scale = torch.where(sq > 0, sq.rsqrt(), torch.zeros_like(sq))
+    return weights * torch.repeat_interleave(scale, lengths)
+
+
+def _truncate(values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor, max_len: int):
+    """Keeps the first max_len ids of every sample (sequence features)."""
+    starts = torch.cumsum(lengths, 0) - lengths
+    position = torch.arange(values.numel()) - torch.repeat_interleave(starts, lengths)
+    keep = position < max_len
+    return values[keep], lengths.clamp(max=max_len), weights[keep]
+
+
+def _stack_entries(stack: StackSpec, kjt: Mapping[str, tuple], batch_size: int, lengths_out: dict):
+    """Per-id (owner, local row, bag, receiver, gain) over all features of the stack."""
+    n = stack.num_sparsecores
+    slice_size = -(-batch_size // n)  # samples each SparseCore receives
+    owners, rows, bags, receivers, gains = [], [], [], [], []
+    bag_base = 0
+    for table in stack.tables:
+        placement = stack.placements[table.name]
+        for feature in table.feature_names:
+            values, lengths, weights = kjt[feature]
+            if not stack.is_pooled and table.max_seq_len is not None:
+                values, lengths, weights = _truncate(values, lengths, weights, table.max_seq_len)
+            if not stack.is_pooled:
+                lengths_out[feature] = lengths
+            _check_ids(feature, table.name, values, table.num_embeddings)
+            sample = torch.repeat_interleave(torch.arange(batch_size), lengths)
+            shifted = values + placement.rotation
+            owners.append(shifted % n)
+            rows.append(placement.row_offset + shifted // n)
+            if stack.is_pooled:
+                bags.append(bag_base + sample)
+                bag_base += batch_size
+            else:
+                bags.append(bag_base + torch.arange(values.numel()))
+                bag_base += values.numel()
+            receivers.append(sample // slice_size)
+            gains.append(_gains(lengths, weights, table.combiner_name))
+    cat = lambda xs, dtype: torch.cat(xs).to(dtype) if xs else torch.zeros(0, dtype=dtype)  # noqa: E731
+    return (cat(owners, torch.int64), cat(rows, torch.int64), cat(bags, torch.int64),
+            cat(receivers, torch.int64), cat(gains, torch.float32), bag_base)
+
+
+def _rank_within(groups: torch.Tensor) -> torch.Tensor:
+    """0, 1, 2, ... within each run of equal values of a sorted tensor."""
+    if groups.numel() == 0:
+        return groups
+    index = torch.arange(groups.numel())
+    first = torch.ones_like(groups, dtype=torch.bool)
+    first[1:] = groups[1:] != groups[:-1]
+    run_start = torch.cummax(torch.where(first, index, torch.zeros_like(index)), 0).values
+    return index - run_start
+
+
+def _distinct_rank_within(partition: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """0, 1, 2, ... over the distinct rows of each partition (entries sorted by partition, row)."""
+    change = torch.ones_like(partition, dtype=torch.bool)
+    change[1:] = (partition[1:] != partition[:-1]) | (row[1:] != row[:-1])
+    distinct = torch.cumsum(change.long(), 0) - 1
+    run_start = torch.arange(partition.numel()) - _rank_within(partition)
+    return distinct - distinct[run_start]
+
+
+def _apply_limits(stack: StackSpec, partition: torch.Tensor, row: torch.Tensor, allow_id_dropping: bool):
+    """Checks the per-partition limits; with dropping, keeps what fits. Returns (keep mask, stats)."""
+    n = stack.num_sparsecores
+    counts = torch.bincount(partition, minlength=n * n)
+    distinct = _distinct_rank_within(partition, row) if partition.numel() else partition
+    unique_counts = torch.zeros(n * n, dtype=torch.int64).scatter_reduce_(0, partition, distinct + 1, reduce="amax")
+    max_ids, max_unique = int(counts.max()), int(unique_counts.max())
+    limit_ids, limit_unique = stack.max_ids_per_partition, stack.max_unique_ids_per_partition
+    if max_ids <= limit_ids and max_unique <= limit_unique:
+        keep = torch.ones_like(partition, dtype=torch.bool)
+        return keep, PartitionStats(max_ids_per_partition=max_ids, max_unique_ids_per_partition=max_unique)
+    if not allow_id_dropping:
+        worst = int(torch.argmax(counts if max_ids > limit_ids else unique_counts))
+        raise PartitionLimitError(
+            f"stack {stack.name!r} (tables {[t.name for t in stack.tables]}): partition "
+            f"(receiving SparseCore {worst // n}, owning SparseCore {worst % n}) carries "
+            f"{int(counts[worst])} ids ({int(unique_counts[worst])} distinct); limits are "
+            f"max_ids_per_partition={limit_ids}, max_unique_ids_per_partition={limit_unique}. "
+            f"This batch needs max_ids_per_partition>={max_ids} and "
+            f"max_unique_ids_per_partition>={max_unique}; raise the limits or enable allow_id_dropping."
+        )
+    # Keep the first distinct rows of each partition, then its first entries.
+    kept = (distinct < limit_unique).nonzero().squeeze(1)
+    kept = kept[_rank_within(partition[kept]) < limit_ids]
+    keep = torch.zeros_like(partition, dtype=torch.bool)
+    keep[kept] = True
+    return keep, PartitionStats(
+        max_ids_per_partition=max_ids, max_unique_ids_per_partition=max_unique, dropped_ids=int((~keep).sum())
+    )
+
+
+def _layout(partition, row, bag, gain, n: int):
+    """CSR-wrapped COO buffers from entries sorted by (receiver, owner, row, bag)."""
+    counts = torch.bincount(partition, minlength=n * n).view(n, n)
+    padded = -(-counts // ALIGNMENT) * ALIGNMENT
+    starts = torch.cumsum(padded, 1) - padded  # group starts within each receiver
+    row_pointers = (starts + counts).to(torch.int32)
+    width = int(padded.sum(1).max()) if counts.numel() else 0
+    embedding_ids = torch.zeros(n, width, dtype=torch.int32)
+    sample_ids = torch.full((n, width), -1, dtype=torch.int32)
+    gains = torch.zeros(n, width, dtype=torch.float32)
+    receiver, owner = partition // n, partition % n
+    position = starts[receiver, owner] + _rank_within(partition)
+    embedding_ids[receiver, position] = row.to(torch.int32)
+    sample_ids[receiver, position] = bag.to(torch.int32)
+    gains[receiver, position] = gain
+    return row_pointers, embedding_ids, sample_ids, gains
+
+
+def _preprocess_stack(stack: StackSpec, features, batch_size: int, allow_id_dropping: bool, lengths_out: dict) -> StackBatch:
+    n = stack.num_sparsecores
+    owner, row, bag, receiver, gain, num_bags = _stack_entries(stack, features, batch_size, lengths_out)
+    partition = receiver * n + owner
+    if stack.is_pooled and row.numel():
+        # Merge duplicates within a bag: one entry per (partition, row, bag).
+        key = (partition * (stack.rows_per_sparsecore + 1) + row) * (num_bags + 1) + bag
+        key, inverse = torch.unique(key, sorted=True, return_inverse=True)
+        gain = torch.zeros(key.numel()).index_add_(0, inverse, gain)
+        bag = key % (num_bags + 1)
+        rest = key // (num_bags + 1)
+        row, partition = rest % (stack.rows_per_sparsecore + 1), rest // (stack.rows_per_sparsecore + 1)
+    else:
+        order = torch.argsort(partition * (stack.rows_per_sparsecore + 1) + row, stable=True)
+        partition, row, bag, gain = partition[order], row[order], bag[order], gain[order]
+    keep, stats = _apply_limits(stack, partition, row, allow_id_dropping)
+    if stats.dropped_ids:
+        partition, row, bag, gain = partition[keep], row[keep], bag[keep], gain[keep]
+    row_pointers, embedding_ids, sample_ids, gains = _layout(partition, row, bag, gain, n)
+    return StackBatch(row_pointers=row_pointers, embedding_ids=embedding_ids, sample_ids=sample_ids,
+                      gains=gains, num_bags=num_bags, stats=stats)
+
+
+def _split_kjt(kjt: KeyedJaggedTensor, stacks: Sequence[StackSpec]) -> tuple[dict[str, tuple], int]:
+    known = _feature_tables(stacks)
+    unknown = [k for k in kjt.keys() if k not in known]
+    if unknown:
+        raise InputError(f"unknown feature key(s) {unknown}; the tables serve {sorted(known)}")
+    missing = [f for f in known if f not in kjt.keys()]
+    if missing:
+        raise InputError(f"the batch lacks feature(s) {missing} that the tables expect")
+    if kjt.values().is_floating_point() or kjt.values().is_complex():
+        raise InputError(f"ids must be integers, got {kjt.values().dtype}")
+    batch_size = kjt.stride()
+    out = {}
+    for key, jt in kjt.to_dict().items():
+        values, lengths = jt.values().long().cpu(), jt.lengths().long().cpu()
+        if lengths.numel() != batch_size:
+            raise InputError(f"feature {key!r}: {lengths.numel()} lengths for a batch of {batch_size}")
+        if (lengths < 0).any() or int(lengths.sum()) != values.numel():
+            raise InputError(f"feature {key!r}: lengths sum to {int(lengths.sum())} but there are {values.numel()} ids")
+        weights = jt.weights_or_none()
+        weights = torch.ones(values.numel()) if weights is None else weights.float().cpu()
+        out[key] = (values, lengths, weights)
+    return out, batch_size
+
+
+def preprocess_stacks(kjt: KeyedJaggedTensor, stacks: Sequence[StackSpec], *, allow_id_dropping: bool = False) -> PreprocessedBatch:
+    """KJT -> COO buffers for every stack. Validates everything before building anything."""
+    features, batch_size = _split_kjt(kjt, stacks)
+    lengths: dict[str, torch.Tensor] = {}
+    built = {s.name: _preprocess_stack(s, features, batch_size, allow_id_dropping, lengths) for s in stacks}
+    return PreprocessedBatch(batch_size=batch_size, stacks=built, lengths=lengths)

@@ -1,0 +1,145 @@
+"""sparsecore.preprocess on hand-built batches: sharding, padding, dedup gains, limits, dropping."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from torchrec import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.modules.embedding_configs import PoolingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from sparsecore.config import SparseCoreEmbeddingConfig, as_sparsecore_config
+from sparsecore.errors import InputError, PartitionLimitError
+from sparsecore.preprocess import ALIGNMENT, preprocess_stacks
+from sparsecore.stacking import plan_stacks
+
+
+def kjt(features: dict, weights: bool = False):
+    keys = list(features)
+    values = [v for k in keys for bag in features[k] for v in bag]
+    lengths = [len(bag) for k in keys for bag in features[k]]
+    w = torch.arange(1, len(values) + 1, dtype=torch.float32) if weights else None
+    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.tensor(values, dtype=torch.int64),
+                                               lengths=torch.tensor(lengths), weights=w)
+
+
+def entries(stack_batch):
+    """{(receiver, owner): [(row, bag, gain), ...]} read back through the row pointers."""
+    out = {}
+    n = stack_batch.row_pointers.shape[0]
+    for r in range(n):
+        for o in range(n):
+            start, end = stack_batch.group_start(r, o), int(stack_batch.row_pointers[r, o])
+            assert start % ALIGNMENT == 0
+            out[(r, o)] = [(int(stack_batch.embedding_ids[r, i]), int(stack_batch.sample_ids[r, i]),
+                            round(float(stack_batch.gains[r, i]), 6)) for i in range(start, end)]
+    return out
+
+
+def one_table(rows=8, n=2, **kw):
+    cfg = as_sparsecore_config(EmbeddingBagConfig(name="t", num_embeddings=rows, embedding_dim=4, feature_names=["f"], **kw))
+    return plan_stacks([cfg], n)
+
+
+def test_module_docstring_example():
+    stacks = one_table()
+    batch = preprocess_stacks(kjt({"f": [[3, 3, 4], [5]]}), stacks).stacks[stacks[0].name]
+    assert entries(batch) == {
+        (0, 0): [(2, 0, 1.0)], (0, 1): [(1, 0, 2.0)],
+        (1, 0): [], (1, 1): [(2, 1, 1.0)],
+    }
+    assert batch.group_start(0, 1) == 8  # owner 1's group starts on the next multiple of 8
+    assert batch.num_bags == 2
+    # Padding is inert: no row, no bag, no gain.
+    pad = batch.sample_ids == -1
+    assert (batch.gains[pad] == 0).all() and (batch.embedding_ids[pad] == 0).all()
+
+
+def test_mean_and_weighted_and_sqrtn_gains():
+    mean = one_table(pooling=PoolingType.MEAN)
+    e = entries(preprocess_stacks(kjt({"f": [[3, 3, 4], []]}), mean).stacks[mean[0].name])
+    assert e[(0, 1)] == [(1, 0, round(2 / 3, 6))] and e[(0, 0)] == [(2, 0, round(1 / 3, 6))]
+    weighted = one_table()
+    e = entries(preprocess_stacks(kjt({"f": [[3, 3, 4], [5]]}, weights=True), weighted).stacks[weighted[0].name])
+    assert e[(0, 1)] == [(1, 0, 3.0)] and e[(0, 0)] == [(2, 0, 3.0)] and e[(1, 1)] == [(2, 1, 4.0)]
+    sqrtn = plan_stacks([dataclasses.replace(as_sparsecore_config(EmbeddingBagConfig(
+        name="t", num_embeddings=8, embedding_dim=4, feature_names=["f"])), combiner="sqrtn")], 2)
+    e = entries(preprocess_stacks(kjt({"f": [[3, 3, 4], [5]]}, weights=True), sqrtn).stacks[sqrtn[0].name])
+    norm = math.sqrt(1 + 4 + 9)
+    assert e[(0, 1)] == [(1, 0, round(3 / norm, 6))] and e[(1, 1)] == [(2, 1, 1.0)]
+
+
+def test_two_features_of_a_stack_take_consecutive_bag_ranges():
+    cfgs = [as_sparsecore_config(EmbeddingBagConfig(name=n, num_embeddings=4, embedding_dim=4, feature_names=[f]))
+            for n, f in (("a", "fa"), ("b", "fb"))]
+    stacks = plan_stacks(cfgs, 2)
+    batch = preprocess_stacks(kjt({"fa": [[0], [1]], "fb": [[0], [0]]}), stacks).stacks[stacks[0].name]
+    assert batch.num_bags == 4
+    e = entries(batch)
+    # fa: id0 -> sc0 row0, id1 -> sc1 row0; fb (rotation 1, rows from 2): id0 -> sc1 row 2.
+    assert e[(0, 0)] == [(0, 0, 1.0)] and e[(0, 1)] == [(2, 2, 1.0)]
+    assert e[(1, 1)] == [(0, 1, 1.0), (2, 3, 1.0)]
+
+
+def test_limits_count_per_receiver_owner_pair_and_report_observed_maxima():
+    stacks = one_table(rows=16, n=2)
+    batch = preprocess_stacks(kjt({"f": [[0, 2, 4, 2], [1]]}), stacks)
+    stats = batch.stats[stacks[0].name]
+    # receiver 0 / owner 0 gets ids 0, 2, 4 (2 merged within the bag): 3 entries, 3 rows.
+    assert (stats.max_ids_per_partition, stats.max_unique_ids_per_partition) == (3, 3)
+    # The same ids spread over two samples that land on different receivers stay within 2.
+    tight = plan_stacks([dataclasses.replace(stacks[0].tables[0], max_ids_per_partition=2, max_unique_ids_per_partition=2)], 2)
+    preprocess_stacks(kjt({"f": [[0, 2], [4]]}), tight)
+    with pytest.raises(PartitionLimitError, match=r"receiving SparseCore 0, owning SparseCore 0\) carries 3 ids") as info:
+        preprocess_stacks(kjt({"f": [[0, 2, 4], [1]]}), tight)
+    assert "max_ids_per_partition>=3" in str(info.value)
+
+
+def test_dropping_keeps_what_fits_and_counts_the_rest():
+    cfg = dataclasses.replace(one_table(rows=32, n=2)[0].tables[0], max_ids_per_partition=3, max_unique_ids_per_partition=2)
+    stacks = plan_stacks([cfg], 2)
+    # Receiver 0 (samples 0, 1 of 4), owner 0: rows of ids 0,2,4 in sample 0 and 0,2 in sample 1.
+    batch = preprocess_stacks(kjt({"f": [[0, 2, 4], [0, 2], [], []]}), stacks, allow_id_dropping=True)
+    e = entries(batch.stacks[stacks[0].name])[(0, 0)]
+    assert len(e) <= 3 and len({row for row, _, _ in e}) <= 2
+    assert batch.stats[stacks[0].name].dropped_ids == 5 - len(e)
+    assert batch.stats[stacks[0].name].max_ids_per_partition == 5
+
+
+def test_sequence_features_keep_every_id_as_its_own_row_and_truncate():
+    cfg = SparseCoreEmbeddingConfig(config=EmbeddingConfig(name="s", num_embeddings=8, embedding_dim=4, feature_names=["q"]), max_seq_len=2)
+    stacks = plan_stacks([cfg], 2)
+    batch = preprocess_stacks(kjt({"q": [[3, 3, 5], [1]]}), stacks)
+    assert batch.lengths["q"].tolist() == [2, 1]
+    e = entries(batch.stacks[stacks[0].name])
+    assert sorted(x for v in e.values() for x in v) == [(0, 2, 1.0), (1, 0, 1.0), (1, 1, 1.0)]
+
+
+@pytest.mark.parametrize(
+    "features, message",
+    [
+        ({"f": [[8]]}, "feature 'f' \\(table 't'\\): id 8 is out of range; expected 0 <= id < 8"),
+        ({"f": [[-1]]}, "id -1 is out of range"),
+        ({"g": [[1]]}, "unknown feature key\\(s\\) \\['g'\\]"),
+    ],
+)
+def test_bad_input_is_named(features, message):
+    with pytest.raises(InputError, match=message):
+        preprocess_stacks(kjt(features), one_table())
+
+
+def test_missing_feature_and_float_ids_are_refused():
+    stacks = plan_stacks([as_sparsecore_config(EmbeddingBagConfig(name=n, num_embeddings=4, embedding_dim=4, feature_names=[n]))
+                          for n in ("a", "b")], 2)
+    with pytest.raises(InputError, match="lacks feature"):
+        preprocess_stacks(kjt({"a": [[1]]}), stacks)
+    bad = KeyedJaggedTensor.from_lengths_sync(keys=["a", "b"], values=torch.tensor([1.0, 2.0]), lengths=torch.tensor([1, 1]))
+    with pytest.raises(InputError, match="ids must be integers"):
+        preprocess_stacks(bad, stacks)
+
+
+def test_empty_batch_and_empty_bags():
+    stacks = one_table()
+    batch = preprocess_stacks(kjt({"f": [[], [], []]}), stacks).stacks[stacks[0].name]
+    assert batch.num_bags == 3 and all(v == [] for v in entries(batch).values())
