@@ -264,15 +264,21 @@ def _split_kjt(kjt: KeyedJaggedTensor, stacks: Sequence[StackSpec]) -> tuple[dic
     if kjt.values().is_floating_point() or kjt.values().is_complex():
         raise InputError(f"ids must be integers, got {kjt.values().dtype}")
     batch_size = kjt.stride()
+    keys = kjt.keys()
+    lengths_all = kjt.lengths().long().cpu()
+    if lengths_all.numel() != len(keys) * batch_size:
+        raise InputError(f"{lengths_all.numel()} lengths for {len(keys)} features x batch {batch_size}")
+    lengths_all = lengths_all.view(len(keys), batch_size)
+    if (lengths_all < 0).any():
+        raise InputError("lengths must be non-negative")
+    values_all = kjt.values().long().cpu()
+    per_key = lengths_all.sum(1).tolist()
+    if sum(per_key) != values_all.numel():
+        raise InputError(f"lengths sum to {sum(per_key)} but there are {values_all.numel()} ids")
+    weights_all = kjt.weights_or_none()
+    weights_all = torch.ones(values_all.numel()) if weights_all is None else weights_all.float().cpu()
     out = {}
-    for key, jt in kjt.to_dict().items():
-        values, lengths = jt.values().long().cpu(), jt.lengths().long().cpu()
-        if lengths.numel() != batch_size:
-            raise InputError(f"feature {key!r}: {lengths.numel()} lengths for a batch of {batch_size}")
-        if (lengths < 0).any() or int(lengths.sum()) != values.numel():
-            raise InputError(f"feature {key!r}: lengths sum to {int(lengths.sum())} but there are {values.numel()} ids")
-        weights = jt.weights_or_none()
-        weights = torch.ones(values.numel()) if weights is None else weights.float().cpu()
+    for key, lengths, values, weights in zip(keys, lengths_all, values_all.split(per_key), weights_all.split(per_key)):
         out[key] = (values, lengths, weights)
     return out, batch_size
 

@@ -1,0 +1,55 @@
+"""SparseCore kernels as torch custom ops (``torch.ops.sparsecore.*``).
+
+``lookup``: the sparse x dense matmul of one stack: for every COO entry,
+``out[sample] += gain * table[owner * rows_per_sparsecore + row]``, accumulated
+in fp32. The COO buffers come from sparsecore.preprocess; the physical table
+holds the rows of SparseCore ``o`` at ``[o * rows_per_sparsecore, (o + 1) *
+rows_per_sparsecore)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparsecore.preprocess import ALIGNMENT
+
+
+def group_starts(row_pointers: torch.Tensor) -> torch.Tensor:
+    """(receivers, owners) start offsets: each group begins at the previous end rounded up to 8."""
+    ends = row_pointers.long()
+    starts = torch.zeros_like(ends)
+    starts[:, 1:] = (ends[:, :-1] + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+    return starts
+
+
+def physical_rows(row_pointers: torch.Tensor, embedding_ids: torch.Tensor, rows_per_sparsecore: int) -> torch.Tensor:
+    """Row of every buffer entry in the physical (stacked) table."""
+    receivers, width = embedding_ids.shape
+    positions = torch.arange(width, device=embedding_ids.device).expand(receivers, width).contiguous()
+    owners = torch.searchsorted(group_starts(row_pointers).contiguous(), positions, right=True) - 1
+    return owners * rows_per_sparsecore + embedding_ids.long()
+
+
+@torch.library.custom_op("sparsecore::lookup", mutates_args=())
+def lookup(
+    weight: torch.Tensor,
+    row_pointers: torch.Tensor,
+    embedding_ids: torch.Tensor,
+    sample_ids: torch.Tensor,
+    gains: torch.Tensor,
+    num_bags: int,
+) -> torch.Tensor:
+    """(num_bags, dim) pooled rows in fp32 (as TorchRec returns for fp16/bf16 tables too)."""
+    rows_per_sparsecore = weight.shape[0] // row_pointers.shape[1]
+    rows = physical_rows(row_pointers, embedding_ids, rows_per_sparsecore).flatten()
+    samples = sample_ids.flatten().long()
+    valid = samples >= 0
+    rows, samples, scale = rows[valid], samples[valid], gains.flatten()[valid]
+    out = torch.zeros(num_bags, weight.shape[1], dtype=torch.float32, device=weight.device)
+    out.index_add_(0, samples, weight.index_select(0, rows).float() * scale.unsqueeze(1))
+    return out
+
+
+@lookup.register_fake
+def _lookup_fake(weight, row_pointers, embedding_ids, sample_ids, gains, num_bags):
+    return weight.new_empty(num_bags, weight.shape[1], dtype=torch.float32)

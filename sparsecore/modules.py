@@ -1,0 +1,173 @@
+"""TorchRec-compatible embedding modules on the SparseCore engine.
+
+``SparseCoreEmbeddingBagCollection`` takes the configs TorchRec's
+``EmbeddingBagCollection`` takes and gives what it gives: ``forward(KJT) ->
+KeyedTensor`` with the same keys, order and ``state_dict`` keys
+(``embedding_bags.<table>.weight``). Inside, tables are stacked and
+mod-sharded over the device's SparseCores (sparsecore.stacking); the
+state_dict shows each table in its logical row order.
+
+Example (two features sharing one table)::
+
+    >>> import torch
+    >>> from torchrec import EmbeddingBagConfig
+    >>> from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+    >>> ebc = SparseCoreEmbeddingBagCollection(
+    ...     [EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4, feature_names=["f1", "f2"])],
+    ...     device="cpu")
+    >>> kjt = KeyedJaggedTensor.from_lengths_sync(
+    ...     keys=["f1", "f2"], values=torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([2, 0, 1, 1]))
+    >>> out = ebc(kjt)        # batch 2: f1 = [[1, 2], []], f2 = [[3], [4]]
+    >>> out.keys(), tuple(out.values().shape)
+    (['f1', 'f2'], (2, 8))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from sparsecore.config import SparseCoreEmbeddingConfig, TorchRecConfig, as_sparsecore_config
+from sparsecore.errors import InputError
+from sparsecore.kernels import lookup
+from sparsecore.preprocess import PreprocessedBatch, preprocess_stacks
+from sparsecore.stacking import StackSpec, plan_stacks
+
+
+def default_num_sparsecores(device: torch.device) -> int:
+    """The chip's SparseCores for a tpu device; 1 elsewhere (a plain-CPU run of the engine)."""
+    if device.type == "tpu":
+        return torch.tpu.get_device_properties(device).sparsecores_per_chip
+    return 1
+
+
+def logical_to_physical(stack: StackSpec, table: str, device: torch.device | None = None) -> torch.Tensor:
+    """Physical row of each logical row of a table (sparsecore.stacking's mod sharding)."""
+    p = stack.placements[table]
+    config = next(t for t in stack.tables if t.name == table)
+    shifted = torch.arange(config.num_embeddings, device=device) + p.rotation
+    n = stack.num_sparsecores
+    return (shifted % n) * stack.rows_per_sparsecore + p.row_offset + shifted // n
+
+
+class SparseCoreEmbeddingBagCollection(nn.Module):
+    """Pooled embedding tables on the SparseCore, a drop-in for TorchRec's EmbeddingBagCollection."""
+
+    def __init__(
+        self,
+        tables: Sequence[SparseCoreEmbeddingConfig | TorchRecConfig],
+        device: torch.device | str | None = None,
+        *,
+        num_sparsecores: int | None = None,
+        allow_id_dropping: bool = False,
+    ):
+        super().__init__()
+        self._configs = [as_sparsecore_config(t) for t in tables]
+        self._check_tables()
+        self._device = torch.device(device if device is not None else "tpu")
+        n = num_sparsecores or default_num_sparsecores(self._device)
+        self._stacks = plan_stacks(self._configs, n)
+        self._allow_id_dropping = allow_id_dropping
+        self._feature_order = [f for t in self._configs for f in t.feature_names]
+        self._weights = nn.ParameterDict()
+        for stack in self._stacks:
+            shape = (n * stack.rows_per_sparsecore, stack.embedding_dim)
+            weight = torch.zeros(shape, dtype=stack.tables[0].dtype, device=self._device)
+            self._weights[stack.name] = nn.Parameter(weight, requires_grad=False)
+        self.reset_parameters()
+        self._register_state_dict_hook(_logical_state_dict)
+        self._register_load_state_dict_pre_hook(_load_logical_state_dict, with_module=True)
+
+    def _check_tables(self) -> None:
+        names, features = set(), {}
+        for t in self._configs:
+            if not t.is_pooled:
+                raise InputError(f"table {t.name!r} is a sequence table; use SparseCoreEmbeddingCollection")
+            if t.name in names:
+                raise InputError(f"table name {t.name!r} is used twice")
+            names.add(t.name)
+            for f in t.feature_names:
+                if f in features:
+                    raise InputError(f"feature {f!r} is served by both {features[f]!r} and {t.name!r}")
+                features[f] = t.name
+
+    # ---- weights ----
+
+    def _locate(self, table: str) -> tuple[StackSpec, torch.Tensor]:
+        stack = next(s for s in self._stacks if table in s.placements)
+        return stack, logical_to_physical(stack, table, self._weights[stack.name].device)
+
+    def table_weight(self, table: str) -> torch.Tensor:
+        """A copy of the table's (num_embeddings, dim) weights in logical row order."""
+        stack, rows = self._locate(table)
+        return self._weights[stack.name].detach().index_select(0, rows)
+
+    @torch.no_grad()
+    def set_table_weight(self, table: str, weight: torch.Tensor) -> None:
+        stack, rows = self._locate(table)
+        target = self._weights[stack.name]
+        target.index_copy_(0, rows, weight.to(device=target.device, dtype=target.dtype))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initializes every table with its config's init_fn (as TorchRec does)."""
+        for t in self._configs:
+            weight = torch.empty(t.num_embeddings, t.embedding_dim, dtype=t.dtype, device=self._device)
+            if weight.device.type == "meta":
+                continue
+            if t.init_fn is not None:
+                t.init_fn(weight)
+            self.set_table_weight(t.name, weight)
+
+    # ---- TorchRec contract ----
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return [t.config for t in self._configs]
+
+    @property
+    def stacks(self) -> list[StackSpec]:
+        return list(self._stacks)
+
+    def preprocess(self, features: KeyedJaggedTensor) -> PreprocessedBatch:
+        return preprocess_stacks(features, self._stacks, allow_id_dropping=self._allow_id_dropping)
+
+    def forward(self, features: KeyedJaggedTensor | PreprocessedBatch) -> KeyedTensor:
+        batch = features if isinstance(features, PreprocessedBatch) else self.preprocess(features)
+        pooled: dict[str, torch.Tensor] = {}
+        for stack in self._stacks:
+            coo = batch.stacks[stack.name]
+            weight = self._weights[stack.name]
+            out = lookup(
+                weight, coo.row_pointers.to(weight.device), coo.embedding_ids.to(weight.device),
+                coo.sample_ids.to(weight.device), coo.gains.to(weight.device), coo.num_bags,
+            )
+            for slot, feature in enumerate(stack.feature_names):
+                pooled[feature] = out[slot * batch.batch_size:(slot + 1) * batch.batch_size]
+        dims = [next(t.embedding_dim for t in self._configs if f in t.feature_names) for f in self._feature_order]
+        values = torch.cat([pooled[f] for f in self._feature_order], dim=1) if self._feature_order else None
+        return KeyedTensor(keys=list(self._feature_order), length_per_key=dims, values=values)
+
+
+def _logical_state_dict(module: SparseCoreEmbeddingBagCollection, state: dict, prefix: str, _meta) -> dict:
+    for stack in module._stacks:
+        state.pop(f"{prefix}_weights.{stack.name}", None)
+    for t in module._configs:
+        state[f"{prefix}embedding_bags.{t.name}.weight"] = module.table_weight(t.name)
+    return state
+
+
+def _load_logical_state_dict(module: SparseCoreEmbeddingBagCollection, state: dict, prefix: str, *_args) -> None:
+    for t in module._configs:
+        key = f"{prefix}embedding_bags.{t.name}.weight"
+        if key in state:
+            weight = state.pop(key)
+            expected = (t.num_embeddings, t.embedding_dim)
+            if tuple(weight.shape) != expected:
+                raise InputError(f"{key}: shape {tuple(weight.shape)} does not match the table's {expected}")
+            module.set_table_weight(t.name, weight)
+    for stack in module._stacks:
+        state[f"{prefix}_weights.{stack.name}"] = module._weights[stack.name].detach()
