@@ -41,10 +41,7 @@ def lookup(
 ) -> torch.Tensor:
     """(num_bags, dim) pooled rows in fp32 (as TorchRec returns for fp16/bf16 tables too)."""
     rows_per_sparsecore = weight.shape[0] // row_pointers.shape[1]
-    rows = physical_rows(row_pointers, embedding_ids, rows_per_sparsecore).flatten()
-    samples = sample_ids.flatten().long()
-    valid = samples >= 0
-    rows, samples, scale = rows[valid], samples[valid], gains.flatten()[valid]
+    rows, samples, scale = valid_entries(row_pointers, embedding_ids, sample_ids, gains, rows_per_sparsecore)
     out = torch.zeros(num_bags, weight.shape[1], dtype=torch.float32, device=weight.device)
     out.index_add_(0, samples, weight.index_select(0, rows).float() * scale.unsqueeze(1))
     return out
@@ -53,3 +50,21 @@ def lookup(
 @lookup.register_fake
 def _lookup_fake(weight, row_pointers, embedding_ids, sample_ids, gains, num_bags):
     return weight.new_empty(num_bags, weight.shape[1], dtype=torch.float32)
+
+
+def row_gradients(
+    grad_output: torch.Tensor, rows: torch.Tensor, samples: torch.Tensor, gains: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(touched physical rows, their summed gradients): the sparse gradient of a lookup."""
+    unique_rows, inverse = torch.unique(rows, return_inverse=True)
+    grads = torch.zeros(unique_rows.numel(), grad_output.shape[1], dtype=torch.float32, device=grad_output.device)
+    grads.index_add_(0, inverse, grad_output.float().index_select(0, samples) * gains.unsqueeze(1))
+    return unique_rows, grads
+
+
+def valid_entries(row_pointers, embedding_ids, sample_ids, gains, rows_per_sparsecore: int):
+    """Flat (physical row, sample, gain) of the non-padding entries."""
+    rows = physical_rows(row_pointers, embedding_ids, rows_per_sparsecore).flatten()
+    samples = sample_ids.flatten().long()
+    valid = samples >= 0
+    return rows[valid], samples[valid], gains.flatten()[valid]

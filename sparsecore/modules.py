@@ -33,7 +33,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from sparsecore.config import SparseCoreEmbeddingConfig, TorchRecConfig, as_sparsecore_config
 from sparsecore.errors import InputError
-from sparsecore.kernels import lookup
+from sparsecore.fused import FusedLookup, placeholder
+from sparsecore.kernels import lookup, row_gradients, valid_entries
+from sparsecore.optim import Optimizer, from_torch_optim
 from sparsecore.preprocess import PreprocessedBatch, preprocess_stacks
 from sparsecore.stacking import StackSpec, plan_stacks
 
@@ -60,6 +62,7 @@ class SparseCoreEmbeddingBagCollection(nn.Module):
     def __init__(
         self,
         tables: Sequence[SparseCoreEmbeddingConfig | TorchRecConfig],
+        optimizer: Optimizer | tuple | None = None,
         device: torch.device | str | None = None,
         *,
         num_sparsecores: int | None = None,
@@ -79,6 +82,19 @@ class SparseCoreEmbeddingBagCollection(nn.Module):
             weight = torch.zeros(shape, dtype=stack.tables[0].dtype, device=self._device)
             self._weights[stack.name] = nn.Parameter(weight, requires_grad=False)
         self.reset_parameters()
+        self._optimizer = None if optimizer is None else from_torch_optim(optimizer)
+        self._optimizer_state: dict[str, dict[str, torch.Tensor]] = {}
+        self._steps: dict[str, int] = {}
+        if self._optimizer is not None:
+            self._placeholder = placeholder(self._device)
+            for stack in self._stacks:
+                rows = n * stack.rows_per_sparsecore
+                self._optimizer_state[stack.name] = {
+                    name: torch.full(shape, getattr(self._optimizer, "initial_accumulator_value", 0.0),
+                                     dtype=torch.float32, device=self._device)
+                    for name, shape in self._optimizer.state_shapes(rows, stack.embedding_dim).items()
+                }
+                self._steps[stack.name] = 0
         self._register_state_dict_hook(_logical_state_dict)
         self._register_load_state_dict_pre_hook(_load_logical_state_dict, with_module=True)
 
@@ -135,16 +151,34 @@ class SparseCoreEmbeddingBagCollection(nn.Module):
     def preprocess(self, features: KeyedJaggedTensor) -> PreprocessedBatch:
         return preprocess_stacks(features, self._stacks, allow_id_dropping=self._allow_id_dropping)
 
+    @torch.no_grad()
+    def _update(self, stack: StackSpec, grad_output, row_pointers, embedding_ids, sample_ids, gains) -> None:
+        """The fused backward of one stack: optimizer step on the touched rows."""
+        rows, samples, scale = valid_entries(row_pointers, embedding_ids, sample_ids, gains, stack.rows_per_sparsecore)
+        touched, grads = row_gradients(grad_output, rows, samples, scale)
+        weight, state = self._weights[stack.name], self._optimizer_state[stack.name]
+        self._steps[stack.name] += 1
+        rows_state = {name: value.index_select(0, touched) for name, value in state.items()}
+        updated = self._optimizer.update(weight.index_select(0, touched).float(), grads, rows_state,
+                                         self._steps[stack.name], self._optimizer.lr)
+        weight.index_copy_(0, touched, updated.to(weight.dtype))
+        for name, value in rows_state.items():
+            state[name].index_copy_(0, touched, value)
+
+    def _lookup(self, stack: StackSpec, coo) -> torch.Tensor:
+        weight = self._weights[stack.name]
+        args = (coo.row_pointers.to(weight.device), coo.embedding_ids.to(weight.device),
+                coo.sample_ids.to(weight.device), coo.gains.to(weight.device))
+        if self._optimizer is None or not torch.is_grad_enabled():
+            return lookup(weight, *args, coo.num_bags)
+        updater = lambda grad, *buffers: self._update(stack, grad, *buffers)  # noqa: E731
+        return FusedLookup.apply(self._placeholder, weight, *args, coo.num_bags, updater)
+
     def forward(self, features: KeyedJaggedTensor | PreprocessedBatch) -> KeyedTensor:
         batch = features if isinstance(features, PreprocessedBatch) else self.preprocess(features)
         pooled: dict[str, torch.Tensor] = {}
         for stack in self._stacks:
-            coo = batch.stacks[stack.name]
-            weight = self._weights[stack.name]
-            out = lookup(
-                weight, coo.row_pointers.to(weight.device), coo.embedding_ids.to(weight.device),
-                coo.sample_ids.to(weight.device), coo.gains.to(weight.device), coo.num_bags,
-            )
+            out = self._lookup(stack, batch.stacks[stack.name])
             for slot, feature in enumerate(stack.feature_names):
                 pooled[feature] = out[slot * batch.batch_size:(slot + 1) * batch.batch_size]
         dims = [next(t.embedding_dim for t in self._configs if f in t.feature_names) for f in self._feature_order]

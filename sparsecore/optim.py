@@ -1,0 +1,112 @@
+"""Fused optimizers: applied inside the backward, in place, on the touched rows only.
+
+No dense gradient of a table ever exists: the backward turns the pooled
+gradient into one gradient per touched row and the optimizer updates those
+rows and their state. Math is fp32 whatever the table's storage type.
+
+Each optimizer is a frozen spec (plain data) with two functions: the state it
+keeps per physical row, and the update of a set of rows. ``from_torch_optim``
+accepts ``(torch.optim.SGD | Adagrad | Adam, kwargs)`` as TorchRec's
+``apply_optimizer_in_backward`` does, refusing options that need dense updates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from sparsecore.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SGD:
+    lr: float = 0.01
+    """Learning rate, e.g. ``0.01``."""
+
+    def state_shapes(self, rows: int, dim: int) -> dict[str, tuple[int, ...]]:
+        return {}
+
+    def update(self, weight: torch.Tensor, grad: torch.Tensor, state: dict, step: int, lr: float) -> torch.Tensor:
+        return weight.sub_(grad, alpha=lr)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Adagrad:
+    """torch.optim.Adagrad on the touched rows (no lr_decay or weight_decay)."""
+
+    lr: float = 0.01
+    eps: float = 1e-10
+    initial_accumulator_value: float = 0.0
+
+    def state_shapes(self, rows: int, dim: int) -> dict[str, tuple[int, ...]]:
+        return {"sum": (rows, dim)}
+
+    def update(self, weight, grad, state, step, lr):
+        acc = state["sum"].addcmul_(grad, grad)
+        return weight.addcdiv_(grad, acc.sqrt().add_(self.eps), value=-lr)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RowWiseAdagrad:
+    """FBGEMM's EXACT_ROWWISE_ADAGRAD: one accumulator per row, the mean of the squared gradient."""
+
+    lr: float = 0.01
+    eps: float = 1e-8
+
+    def state_shapes(self, rows: int, dim: int) -> dict[str, tuple[int, ...]]:
+        return {"momentum": (rows,)}
+
+    def update(self, weight, grad, state, step, lr):
+        acc = state["momentum"].add_(grad.pow(2).mean(dim=1))
+        return weight.addcdiv_(grad, acc.sqrt().add_(self.eps).unsqueeze(1), value=-lr)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Adam:
+    """Lazy Adam, as torch.optim.SparseAdam: moments of untouched rows do not decay."""
+
+    lr: float = 0.001
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    def state_shapes(self, rows: int, dim: int) -> dict[str, tuple[int, ...]]:
+        return {"exp_avg": (rows, dim), "exp_avg_sq": (rows, dim)}
+
+    def update(self, weight, grad, state, step, lr):
+        beta1, beta2 = self.betas
+        exp_avg = state["exp_avg"].lerp_(grad, 1 - beta1)
+        exp_avg_sq = state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+        return weight.addcdiv_(exp_avg, exp_avg_sq.sqrt().add_(self.eps), value=-step_size)
+
+
+Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam
+
+# torch.optim options whose meaning needs a dense update of every row.
+_DENSE_ONLY = {"momentum", "dampening", "nesterov", "weight_decay", "lr_decay", "amsgrad", "maximize",
+               "capturable", "differentiable", "decoupled_weight_decay"}
+_IGNORED = {"foreach", "fused"}
+
+
+def from_torch_optim(optimizer: Any) -> Optimizer:
+    """Our spec for a spec, or for ``(torch.optim.X, kwargs)``."""
+    if isinstance(optimizer, (SGD, Adagrad, RowWiseAdagrad, Adam)):
+        return optimizer
+    if not (isinstance(optimizer, tuple) and len(optimizer) == 2):
+        raise ConfigError("*", "optimizer", optimizer, "a sparsecore.optim spec or (torch.optim.SGD|Adagrad|Adam, kwargs)")
+    cls, kwargs = optimizer
+    targets = {torch.optim.SGD: SGD, torch.optim.Adagrad: Adagrad, torch.optim.Adam: Adam}
+    if cls not in targets:
+        raise ConfigError("*", "optimizer", getattr(cls, "__name__", cls), "torch.optim.SGD, Adagrad or Adam")
+    for key, value in kwargs.items():
+        if key in _DENSE_ONLY and value not in (0, 0.0, False, None):
+            raise ConfigError("*", f"{cls.__name__}.{key}", value, "its default: it needs dense updates of every row")
+    allowed = {f.name for f in dataclasses.fields(targets[cls])}
+    unknown = set(kwargs) - allowed - _DENSE_ONLY - _IGNORED
+    if unknown:
+        raise ConfigError("*", f"{cls.__name__} kwargs", sorted(unknown), f"a subset of {sorted(allowed)}")
+    args = {k: (tuple(v) if k == "betas" else v) for k, v in kwargs.items() if k in allowed}
+    return targets[cls](**args)

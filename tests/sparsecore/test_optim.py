@@ -1,0 +1,120 @@
+"""Fused optimizers: several steps with repeated ids against their references."""
+
+import pytest
+import torch
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec.modules.embedding_configs import PoolingType
+
+from sparsecore import optim
+from sparsecore.errors import ConfigError
+from sparsecore.modules import SparseCoreEmbeddingBagCollection
+from tests.sparsecore.test_modules import random_kjt
+
+TABLES = [
+    EmbeddingBagConfig(name="a", num_embeddings=23, embedding_dim=8, feature_names=["f0", "f1"]),
+    EmbeddingBagConfig(name="b", num_embeddings=11, embedding_dim=8, feature_names=["f2"], pooling=PoolingType.MEAN),
+]
+STEPS = 4
+
+
+def targets(batch, width, step):
+    return torch.randn(batch, width, generator=torch.Generator().manual_seed(100 + step))
+
+
+def train_engine(optimizer, tables=TABLES, batch=6, num_sparsecores=4, **kw):
+    reference = EmbeddingBagCollection(tables=tables, **kw)
+    engine = SparseCoreEmbeddingBagCollection(tables, optimizer, device="tpu", num_sparsecores=num_sparsecores)
+    engine.load_state_dict(reference.state_dict())
+    for step in range(STEPS):
+        out = engine(random_kjt(tables, batch, seed=step, max_len=6)).values()
+        (out * targets(batch, out.shape[1], step).to("tpu")).sum().backward()
+    return reference, engine
+
+
+def train_dense_reference(reference, make_optimizer, tables=TABLES, batch=6):
+    opt = make_optimizer(reference.parameters())
+    for step in range(STEPS):
+        out = reference(random_kjt(tables, batch, seed=step, max_len=6)).values()
+        opt.zero_grad()
+        (out * targets(batch, out.shape[1], step)).sum().backward()
+        opt.step()
+    return reference
+
+
+def assert_tables_equal(engine, reference, atol=1e-5):
+    for key, expected in reference.state_dict().items():
+        torch.testing.assert_close(engine.state_dict()[key].cpu(), expected, atol=atol, rtol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize(
+    "spec, make_reference",
+    [
+        (optim.SGD(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1)),
+        ((torch.optim.SGD, {"lr": 0.1}), lambda p: torch.optim.SGD(p, lr=0.1)),
+        (optim.Adagrad(lr=0.1, eps=1e-10), lambda p: torch.optim.Adagrad(p, lr=0.1, eps=1e-10)),
+        ((torch.optim.Adagrad, {"lr": 0.1, "initial_accumulator_value": 0.5}),
+         lambda p: torch.optim.Adagrad(p, lr=0.1, initial_accumulator_value=0.5)),
+    ],
+)
+def test_dense_equivalent_optimizers_match_torch_optim(spec, make_reference):
+    reference, engine = train_engine(spec)
+    assert_tables_equal(engine, train_dense_reference(reference, make_reference))
+
+
+def test_adam_is_lazy_like_sparse_adam():
+    table = [EmbeddingBagConfig(name="a", num_embeddings=17, embedding_dim=4, feature_names=["f"])]
+    reference, engine = train_engine(optim.Adam(lr=0.05), tables=table)
+    bag = torch.nn.EmbeddingBag(17, 4, mode="sum", sparse=True)
+    with torch.no_grad():
+        bag.weight.copy_(reference.state_dict()["embedding_bags.a.weight"])
+    opt = torch.optim.SparseAdam(bag.parameters(), lr=0.05)
+    for step in range(STEPS):
+        kjt = random_kjt(table, 6, seed=step, max_len=6)
+        out = bag(kjt.values(), kjt.offsets()[:-1])
+        opt.zero_grad()
+        (out * targets(6, 4, step)).sum().backward()
+        opt.step()
+    torch.testing.assert_close(engine.state_dict()["embedding_bags.a.weight"].cpu(), bag.weight.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_rowwise_adagrad_matches_a_hand_computation():
+    lr, eps = 0.2, 1e-8
+    reference, engine = train_engine(optim.RowWiseAdagrad(lr=lr, eps=eps))
+    momentum = {name: torch.zeros(p.shape[0]) for name, p in reference.named_parameters()}
+    for step in range(STEPS):
+        out = reference(random_kjt(TABLES, 6, seed=step, max_len=6)).values()
+        reference.zero_grad()
+        (out * targets(6, out.shape[1], step)).sum().backward()
+        with torch.no_grad():
+            for name, p in reference.named_parameters():
+                touched = p.grad.abs().sum(1) > 0
+                g = p.grad[touched]
+                momentum[name][touched] += g.pow(2).mean(1)
+                p[touched] -= lr * g / (momentum[name][touched].sqrt() + eps).unsqueeze(1)
+    assert_tables_equal(engine, reference)
+
+
+def test_no_dense_gradient_exists_and_untouched_rows_stay():
+    reference, engine = train_engine(optim.SGD(lr=0.1))
+    assert all(p.grad is None for p in engine.parameters())
+    before = engine.state_dict()["embedding_bags.b.weight"].clone()
+    out = engine(random_kjt(TABLES, 6, seed=9, max_len=2)).values()
+    out.sum().backward()
+    after = engine.state_dict()["embedding_bags.b.weight"]
+    changed = (after != before).any(1)
+    assert 0 < int(changed.sum()) < 11
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ((torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), "SGD.momentum=0.9 is invalid; expected its default"),
+        ((torch.optim.Adam, {"lr": 0.1, "amsgrad": True}), "Adam.amsgrad=True"),
+        ((torch.optim.Adagrad, {"lr_decay": 0.1}), "Adagrad.lr_decay"),
+        ((torch.optim.RMSprop, {"lr": 0.1}), "torch.optim.SGD, Adagrad or Adam"),
+        ((torch.optim.SGD, {"lr": 0.1, "bogus": 1}), "SGD kwargs"),
+    ],
+)
+def test_dense_only_options_are_refused(spec, message):
+    with pytest.raises(ConfigError, match=message):
+        optim.from_torch_optim(spec)
