@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-CORE_SOURCES := $(wildcard torch_tpu/csrc/*.cpp torch_tpu/csrc/*.h)
+CORE_SOURCES := $(wildcard torch_tpu/csrc/*.cpp torch_tpu/csrc/*.h sparsecore/csrc/*.cpp sparsecore/csrc/*.h)
 # The build must not try to load the (maybe stale) backend it is building.
 BUILD_ENV := TORCH_DEVICE_BACKEND_AUTOLOAD=0 MAX_JOBS=2
 
@@ -42,4 +42,4 @@ bench: setup
 	$(PY) -m benchmarks.op_coverage
 
 clean:
-	rm -rf build torch_tpu/_core.so $(VENV)/.installed
+	rm -rf build torch_tpu/_core.so sparsecore/_kernels.so $(VENV)/.installed

@@ -11,15 +11,22 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
-sources = sorted(glob.glob("torch_tpu/csrc/*.cpp"))
+COMPILE_ARGS = ["-O3", "-Wno-unused-parameter"]
 
 setup(
     ext_modules=[
+        # The tpu device core.
         CppExtension(
             name="torch_tpu._core",
-            sources=sources,
-            extra_compile_args=["-O2", "-Wno-unused-parameter"],
-        )
+            sources=sorted(glob.glob("torch_tpu/csrc/*.cpp")),
+            extra_compile_args=COMPILE_ARGS,
+        ),
+        # The SparseCore engine's host preprocessing and kernels.
+        CppExtension(
+            name="sparsecore._kernels",
+            sources=sorted(glob.glob("sparsecore/csrc/*.cpp")),
+            extra_compile_args=COMPILE_ARGS + ["-march=native"],
+        ),
     ],
     cmdclass={"build_ext": BuildExtension.with_options(no_python_abi_suffix=True)},
 )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from sparsecore import _library  # noqa: F401  (registers torch.ops.sparsecore)
 from sparsecore.preprocess import ALIGNMENT
 
 
@@ -30,26 +31,14 @@ def physical_rows(row_pointers: torch.Tensor, embedding_ids: torch.Tensor, rows_
     return owners * rows_per_sparsecore + embedding_ids.long()
 
 
-@torch.library.custom_op("sparsecore::lookup", mutates_args=())
-def lookup(
-    weight: torch.Tensor,
-    row_pointers: torch.Tensor,
-    embedding_ids: torch.Tensor,
-    sample_ids: torch.Tensor,
-    gains: torch.Tensor,
-    num_bags: int,
-) -> torch.Tensor:
-    """(num_bags, dim) pooled rows in fp32 (as TorchRec returns for fp16/bf16 tables too)."""
-    rows_per_sparsecore = weight.shape[0] // row_pointers.shape[1]
-    rows, samples, scale = valid_entries(row_pointers, embedding_ids, sample_ids, gains, rows_per_sparsecore)
-    out = torch.zeros(num_bags, weight.shape[1], dtype=torch.float32, device=weight.device)
-    out.index_add_(0, samples, weight.index_select(0, rows).float() * scale.unsqueeze(1))
-    return out
-
-
-@lookup.register_fake
+@torch.library.register_fake("sparsecore::lookup")
 def _lookup_fake(weight, row_pointers, embedding_ids, sample_ids, gains, num_bags):
     return weight.new_empty(num_bags, weight.shape[1], dtype=torch.float32)
+
+
+def lookup(weight, row_pointers, embedding_ids, sample_ids, gains, num_bags: int) -> torch.Tensor:
+    """(num_bags, dim) pooled rows in fp32 (as TorchRec returns for fp16/bf16 tables too)."""
+    return torch.ops.sparsecore.lookup(weight, row_pointers, embedding_ids, sample_ids, gains, num_bags)
 
 
 def row_gradients(

@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from sparsecore import _library  # noqa: F401  (registers torch.ops.sparsecore)
 from sparsecore.errors import InputError, PartitionLimitError
 from sparsecore.stacking import StackSpec
 
@@ -108,57 +109,36 @@ def _check_ids(feature: str, table: str, ids: torch.Tensor, num_embeddings: int)
         )
 
 
-def _gains(lengths: torch.Tensor, weights: torch.Tensor, combiner: str) -> torch.Tensor:
-    """Per-id gains: the weight scaled by the bag's combiner."""
-    if combiner in ("sum", "none"):
-        return weights
-    if combiner == "mean":
-        scale = 1.0 / lengths.clamp(min=1).to(torch.float32)
-    else:  # sqrtn
-        bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-        sq = torch.zeros(lengths.numel()).index_add_(0, bag, weights * weights)
-        scale = torch.where(sq > 0, sq.rsqrt(), torch.zeros_like(sq))
-    return weights * torch.repeat_interleave(scale, lengths)
-
-
-def _truncate(values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor, max_len: int):
+def _truncate(values: torch.Tensor, lengths: torch.Tensor, max_len: int):
     """Keeps the first max_len ids of every sample (sequence features)."""
     starts = torch.cumsum(lengths, 0) - lengths
     position = torch.arange(values.numel()) - torch.repeat_interleave(starts, lengths)
-    keep = position < max_len
-    return values[keep], lengths.clamp(max=max_len), weights[keep]
+    return values[position < max_len], lengths.clamp(max=max_len)
 
 
-def _stack_entries(stack: StackSpec, kjt: Mapping[str, tuple], batch_size: int, lengths_out: dict):
-    """Per-id (owner, local row, bag, receiver, gain) over all features of the stack."""
+def _sequence_entries(stack: StackSpec, kjt: Mapping[str, tuple], batch_size: int, lengths_out: dict):
+    """Per-id (owner, local row, bag, receiver, gain) over all features of a sequence stack."""
     n = stack.num_sparsecores
-    slice_size = -(-batch_size // n)  # samples each SparseCore receives
-    owners, rows, bags, receivers, gains = [], [], [], [], []
-    bag_base = 0
+    slice_size = max(-(-batch_size // n), 1)  # samples each SparseCore receives
+    owners, rows, bags, receivers = [], [], [], []
+    num_bags = 0
     for table in stack.tables:
         placement = stack.placements[table.name]
         for feature in table.feature_names:
-            values, lengths, weights = kjt[feature]
-            if not stack.is_pooled and table.max_seq_len is not None:
-                values, lengths, weights = _truncate(values, lengths, weights, table.max_seq_len)
-            if not stack.is_pooled:
-                lengths_out[feature] = lengths
+            values, lengths, _ = kjt[feature]
+            if table.max_seq_len is not None:
+                values, lengths = _truncate(values, lengths, table.max_seq_len)
+            lengths_out[feature] = lengths
             _check_ids(feature, table.name, values, table.num_embeddings)
-            sample = torch.repeat_interleave(torch.arange(batch_size), lengths)
             shifted = values + placement.rotation
             owners.append(shifted % n)
             rows.append(placement.row_offset + shifted // n)
-            if stack.is_pooled:
-                bags.append(bag_base + sample)
-                bag_base += batch_size
-            else:
-                bags.append(bag_base + torch.arange(values.numel()))
-                bag_base += values.numel()
-            receivers.append(sample // slice_size)
-            gains.append(_gains(lengths, weights, table.combiner_name))
-    cat = lambda xs, dtype: torch.cat(xs).to(dtype) if xs else torch.zeros(0, dtype=dtype)  # noqa: E731
-    return (cat(owners, torch.int64), cat(rows, torch.int64), cat(bags, torch.int64),
-            cat(receivers, torch.int64), cat(gains, torch.float32), bag_base)
+            bags.append(num_bags + torch.arange(values.numel()))
+            num_bags += values.numel()
+            receivers.append(torch.repeat_interleave(torch.arange(batch_size), lengths) // slice_size)
+    cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64)  # noqa: E731
+    owner, row, bag, receiver = cat(owners), cat(rows), cat(bags), cat(receivers)
+    return owner, row, bag, receiver, torch.ones(bag.numel()), num_bags
 
 
 def _rank_within(groups: torch.Tensor) -> torch.Tensor:
@@ -181,6 +161,22 @@ def _distinct_rank_within(partition: torch.Tensor, row: torch.Tensor) -> torch.T
     return distinct - distinct[run_start]
 
 
+def _limit_error(stack: StackSpec, counts: torch.Tensor, unique_counts: torch.Tensor) -> PartitionLimitError:
+    """The error for a batch over the limits, naming the worst partition and what it needs."""
+    n = stack.num_sparsecores
+    limit_ids, limit_unique = stack.max_ids_per_partition, stack.max_unique_ids_per_partition
+    max_ids, max_unique = int(counts.max()), int(unique_counts.max())
+    worst = int(torch.argmax(counts if max_ids > limit_ids else unique_counts))
+    return PartitionLimitError(
+        f"stack {stack.name!r} (tables {[t.name for t in stack.tables]}): partition "
+        f"(receiving SparseCore {worst // n}, owning SparseCore {worst % n}) carries "
+        f"{int(counts[worst])} ids ({int(unique_counts[worst])} distinct); limits are "
+        f"max_ids_per_partition={limit_ids}, max_unique_ids_per_partition={limit_unique}. "
+        f"This batch needs max_ids_per_partition>={max_ids} and "
+        f"max_unique_ids_per_partition>={max_unique}; raise the limits or enable allow_id_dropping."
+    )
+
+
 def _apply_limits(stack: StackSpec, partition: torch.Tensor, row: torch.Tensor, allow_id_dropping: bool):
     """Checks the per-partition limits; with dropping, keeps what fits. Returns (keep mask, stats)."""
     n = stack.num_sparsecores
@@ -193,15 +189,7 @@ def _apply_limits(stack: StackSpec, partition: torch.Tensor, row: torch.Tensor, 
         keep = torch.ones_like(partition, dtype=torch.bool)
         return keep, PartitionStats(max_ids_per_partition=max_ids, max_unique_ids_per_partition=max_unique)
     if not allow_id_dropping:
-        worst = int(torch.argmax(counts if max_ids > limit_ids else unique_counts))
-        raise PartitionLimitError(
-            f"stack {stack.name!r} (tables {[t.name for t in stack.tables]}): partition "
-            f"(receiving SparseCore {worst // n}, owning SparseCore {worst % n}) carries "
-            f"{int(counts[worst])} ids ({int(unique_counts[worst])} distinct); limits are "
-            f"max_ids_per_partition={limit_ids}, max_unique_ids_per_partition={limit_unique}. "
-            f"This batch needs max_ids_per_partition>={max_ids} and "
-            f"max_unique_ids_per_partition>={max_unique}; raise the limits or enable allow_id_dropping."
-        )
+        raise _limit_error(stack, counts, unique_counts)
     # Keep the first distinct rows of each partition, then its first entries.
     kept = (distinct < limit_unique).nonzero().squeeze(1)
     kept = kept[_rank_within(partition[kept]) < limit_ids]
@@ -230,21 +218,47 @@ def _layout(partition, row, bag, gain, n: int):
     return row_pointers, embedding_ids, sample_ids, gains
 
 
+_COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
+
+
+def _preprocess_pooled(stack: StackSpec, features, batch_size: int, allow_id_dropping: bool) -> StackBatch:
+    """Pooled stacks: the C++ pass (sparsecore/csrc/Preprocess.cpp)."""
+    values, lengths, weights, rotations, offsets, combiners = [], [], [], [], [], []
+    for table in stack.tables:
+        placement = stack.placements[table.name]
+        for feature in table.feature_names:
+            v, l, w = features[feature]
+            _check_ids(feature, table.name, v, table.num_embeddings)
+            values.append(v)
+            lengths.append(l)
+            weights.append(w)
+            rotations.append(placement.rotation)
+            offsets.append(placement.row_offset)
+            combiners.append(_COMBINERS[table.combiner_name])
+    weighted = any(w is not None for w in weights)
+    weights = torch.cat([torch.ones(v.numel()) if w is None else w for v, w in zip(values, weights)]) if weighted else torch.empty(0)
+    row_pointers, embedding_ids, sample_ids, gains, counts, dropped = torch.ops.sparsecore.preprocess_pooled(
+        torch.cat(values), torch.cat(lengths), weights, rotations, offsets, combiners,
+        stack.num_sparsecores, batch_size, stack.max_ids_per_partition, stack.max_unique_ids_per_partition,
+        allow_id_dropping,
+    )
+    ids, unique = counts[..., 0].flatten(), counts[..., 1].flatten()
+    if not allow_id_dropping and (int(ids.max()) > stack.max_ids_per_partition or int(unique.max()) > stack.max_unique_ids_per_partition):
+        raise _limit_error(stack, ids, unique)
+    stats = PartitionStats(max_ids_per_partition=int(ids.max()), max_unique_ids_per_partition=int(unique.max()), dropped_ids=dropped)
+    return StackBatch(row_pointers=row_pointers, embedding_ids=embedding_ids, sample_ids=sample_ids, gains=gains,
+                      num_bags=len(values) * batch_size, stats=stats)
+
+
 def _preprocess_stack(stack: StackSpec, features, batch_size: int, allow_id_dropping: bool, lengths_out: dict) -> StackBatch:
+    if stack.is_pooled:
+        return _preprocess_pooled(stack, features, batch_size, allow_id_dropping)
+    # Sequence stacks: every id is its own bag, so there is nothing to merge.
     n = stack.num_sparsecores
-    owner, row, bag, receiver, gain, num_bags = _stack_entries(stack, features, batch_size, lengths_out)
+    owner, row, bag, receiver, gain, num_bags = _sequence_entries(stack, features, batch_size, lengths_out)
     partition = receiver * n + owner
-    if stack.is_pooled and row.numel():
-        # Merge duplicates within a bag: one entry per (partition, row, bag).
-        key = (partition * (stack.rows_per_sparsecore + 1) + row) * (num_bags + 1) + bag
-        key, inverse = torch.unique(key, sorted=True, return_inverse=True)
-        gain = torch.zeros(key.numel()).index_add_(0, inverse, gain)
-        bag = key % (num_bags + 1)
-        rest = key // (num_bags + 1)
-        row, partition = rest % (stack.rows_per_sparsecore + 1), rest // (stack.rows_per_sparsecore + 1)
-    else:
-        order = torch.argsort(partition * (stack.rows_per_sparsecore + 1) + row, stable=True)
-        partition, row, bag, gain = partition[order], row[order], bag[order], gain[order]
+    order = torch.argsort(partition * (stack.rows_per_sparsecore + 1) + row, stable=True)
+    partition, row, bag, gain = partition[order], row[order], bag[order], gain[order]
     keep, stats = _apply_limits(stack, partition, row, allow_id_dropping)
     if stats.dropped_ids:
         partition, row, bag, gain = partition[keep], row[keep], bag[keep], gain[keep]
@@ -276,9 +290,9 @@ def _split_kjt(kjt: KeyedJaggedTensor, stacks: Sequence[StackSpec]) -> tuple[dic
     if sum(per_key) != values_all.numel():
         raise InputError(f"lengths sum to {sum(per_key)} but there are {values_all.numel()} ids")
     weights_all = kjt.weights_or_none()
-    weights_all = torch.ones(values_all.numel()) if weights_all is None else weights_all.float().cpu()
+    weight_parts = [None] * len(keys) if weights_all is None else weights_all.float().cpu().split(per_key)
     out = {}
-    for key, lengths, values, weights in zip(keys, lengths_all, values_all.split(per_key), weights_all.split(per_key)):
+    for key, lengths, values, weights in zip(keys, lengths_all, values_all.split(per_key), weight_parts):
         out[key] = (values, lengths, weights)
     return out, batch_size
 
