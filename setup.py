@@ -25,7 +25,9 @@ setup(
         CppExtension(
             name="sparsecore._kernels",
             sources=sorted(glob.glob("sparsecore/csrc/*.cpp")),
-            extra_compile_args=COMPILE_ARGS + ["-march=native"],
+            # at::parallel_for is inline: without OpenMP here it runs serially.
+            extra_compile_args=COMPILE_ARGS + ["-march=native", "-fopenmp"],
+            extra_link_args=["-fopenmp"],
         ),
     ],
     cmdclass={"build_ext": BuildExtension.with_options(no_python_abi_suffix=True)},

@@ -97,6 +97,37 @@ void limit(Partition& p, int64_t max_ids, int64_t max_unique, bool allow_drop) {
   p.entries = std::move(out);
 }
 
+// id -> (owner, row) under mod sharding; shifts and masks when n is a power
+// of two (the common case), since a division per id costs more than the rest.
+class ShardMap {
+ public:
+  explicit ShardMap(int64_t n) : n_(n), pow2_((n & (n - 1)) == 0) {
+    while ((int64_t{1} << shift_) < n) ++shift_;
+  }
+  int64_t owner(int64_t id) const { return pow2_ ? (id & (n_ - 1)) : id % n_; }
+  int64_t row(int64_t id) const { return pow2_ ? (id >> shift_) : id / n_; }
+
+ private:
+  int64_t n_;
+  bool pow2_;
+  int shift_ = 0;
+};
+
+// Bags are short: insertion sort by (owner, row) beats std::sort there.
+void sort_bag(std::vector<Id>& bag) {
+  auto less = [](const Id& a, const Id& b) { return a.owner != b.owner ? a.owner < b.owner : a.row < b.row; };
+  if (bag.size() > 32) {
+    std::sort(bag.begin(), bag.end(), less);
+    return;
+  }
+  for (size_t i = 1; i < bag.size(); ++i) {
+    Id x = bag[i];
+    size_t j = i;
+    for (; j > 0 && less(x, bag[j - 1]); --j) bag[j] = bag[j - 1];
+    bag[j] = x;
+  }
+}
+
 // Gains of one bag's ids: weight times the combiner's scale.
 void bag_gains(const float* weights, int64_t begin, int64_t length, int64_t combiner, std::vector<float>& out) {
   out.resize(length);
@@ -138,40 +169,56 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> 
               " but there are ", v.numel(), " ids");
 
   const int64_t slice = std::max<int64_t>((batch_size + n - 1) / n, 1);
-  std::vector<Partition> partitions(n * n);
-  at::parallel_for(0, n, 1, [&](int64_t first, int64_t last) {
+  const int64_t num_bags = num_features * batch_size;
+  const ShardMap shard(n);
+  // Bags are processed in chunks, in parallel; each chunk keeps its own
+  // per-partition lists, joined in chunk order so every partition stays in
+  // bag order (the lookup relies on it).
+  const int64_t num_chunks = std::max<int64_t>(1, std::min<int64_t>(num_bags / 512, 4 * at::get_num_threads()));
+  std::vector<std::vector<std::vector<Entry>>> chunk_parts(num_chunks, std::vector<std::vector<Entry>>(n * n));
+  at::parallel_for(0, num_chunks, 1, [&](int64_t first_chunk, int64_t last_chunk) {
     std::vector<Id> bag;
     std::vector<float> gains;
-    for (int64_t s = first; s < last; ++s) {
-      const int64_t b_end = std::min(batch_size, (s + 1) * slice);
-      for (int64_t f = 0; f < num_features; ++f) {
-        for (int64_t b = s * slice; b < b_end; ++b) {
-          const int64_t k = f * batch_size + b;
-          const int64_t begin = starts[k], length = starts[k + 1] - begin;
-          if (length == 0) continue;
-          bag_gains(wts, begin, length, combiners[f], gains);
-          bag.clear();
-          for (int64_t i = 0; i < length; ++i) {
-            const int64_t shifted = ids[begin + i] + rotations[f];
-            bag.push_back({static_cast<int32_t>(shifted % n),
-                           static_cast<int32_t>(row_offsets[f] + shifted / n), gains[i]});
+    for (int64_t c = first_chunk; c < last_chunk; ++c) {
+      auto& parts = chunk_parts[c];
+      const int64_t k_begin = num_bags * c / num_chunks, k_end = num_bags * (c + 1) / num_chunks;
+      for (int64_t k = k_begin; k < k_end; ++k) {
+        const int64_t begin = starts[k], length = starts[k + 1] - begin;
+        if (length == 0) continue;
+        const int64_t f = k / batch_size, s = (k % batch_size) / slice;
+        bag_gains(wts, begin, length, combiners[f], gains);
+        bag.resize(length);
+        for (int64_t i = 0; i < length; ++i) {
+          const int64_t shifted = ids[begin + i] + rotations[f];
+          bag[i] = {static_cast<int32_t>(shard.owner(shifted)),
+                    static_cast<int32_t>(row_offsets[f] + shard.row(shifted)), gains[i]};
+        }
+        sort_bag(bag);
+        // Merge duplicates within the bag: equal (owner, row) are adjacent.
+        for (size_t i = 0; i < bag.size();) {
+          Id merged = bag[i];
+          size_t j = i + 1;
+          for (; j < bag.size() && bag[j].owner == merged.owner && bag[j].row == merged.row; ++j) {
+            merged.gain += bag[j].gain;
           }
-          // Merge duplicates within the bag: sort by (owner, row), sum gains.
-          std::sort(bag.begin(), bag.end(), [](const Id& a, const Id& c) {
-            return a.owner != c.owner ? a.owner < c.owner : a.row < c.row;
-          });
-          for (size_t i = 0; i < bag.size();) {
-            Id merged = bag[i];
-            size_t j = i + 1;
-            for (; j < bag.size() && bag[j].owner == merged.owner && bag[j].row == merged.row; ++j) {
-              merged.gain += bag[j].gain;
-            }
-            partitions[s * n + merged.owner].entries.push_back({merged.row, static_cast<int32_t>(k), merged.gain});
-            i = j;
-          }
+          parts[s * n + merged.owner].push_back({merged.row, static_cast<int32_t>(k), merged.gain});
+          i = j;
         }
       }
-      for (int64_t o = 0; o < n; ++o) limit(partitions[s * n + o], max_ids, max_unique, allow_drop);
+    }
+  });
+  std::vector<Partition> partitions(n * n);
+  at::parallel_for(0, n * n, 1, [&](int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; ++p) {
+      size_t total = 0;
+      for (const auto& parts : chunk_parts) total += parts[p].size();
+      auto& entries = partitions[p].entries;
+      entries.reserve(total);
+      for (auto& parts : chunk_parts) {
+        entries.insert(entries.end(), parts[p].begin(), parts[p].end());
+        std::vector<Entry>().swap(parts[p]);
+      }
+      limit(partitions[p], max_ids, max_unique, allow_drop);
     }
   });
 
