@@ -34,7 +34,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from sparsecore.config import SparseCoreEmbeddingConfig, TorchRecConfig, as_sparsecore_config
 from sparsecore.errors import InputError
 from sparsecore.fused import FusedLookup, placeholder
-from sparsecore.kernels import lookup, row_gradients, valid_entries
+from sparsecore.kernels import lookup
 from sparsecore.optim import Optimizer, from_torch_optim
 from sparsecore.preprocess import PreprocessedBatch, preprocess_stacks
 from sparsecore.stacking import StackSpec, plan_stacks
@@ -154,16 +154,12 @@ class SparseCoreEmbeddingBagCollection(nn.Module):
     @torch.no_grad()
     def _update(self, stack: StackSpec, grad_output, row_pointers, embedding_ids, sample_ids, gains) -> None:
         """The fused backward of one stack: optimizer step on the touched rows."""
-        rows, samples, scale = valid_entries(row_pointers, embedding_ids, sample_ids, gains, stack.rows_per_sparsecore)
-        touched, grads = row_gradients(grad_output, rows, samples, scale)
-        weight, state = self._weights[stack.name], self._optimizer_state[stack.name]
         self._steps[stack.name] += 1
-        rows_state = {name: value.index_select(0, touched) for name, value in state.items()}
-        updated = self._optimizer.update(weight.index_select(0, touched).float(), grads, rows_state,
-                                         self._steps[stack.name], self._optimizer.lr)
-        weight.index_copy_(0, touched, updated.to(weight.dtype))
-        for name, value in rows_state.items():
-            state[name].index_copy_(0, touched, value)
+        torch.ops.sparsecore.backward_update(
+            self._weights[stack.name], list(self._optimizer_state[stack.name].values()), grad_output,
+            row_pointers, embedding_ids, sample_ids, gains, self._optimizer.kernel_code,
+            self._optimizer.hyper(self._optimizer.lr), self._steps[stack.name],
+        )
 
     def _lookup(self, stack: StackSpec, coo) -> torch.Tensor:
         weight = self._weights[stack.name]

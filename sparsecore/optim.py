@@ -4,8 +4,9 @@ No dense gradient of a table ever exists: the backward turns the pooled
 gradient into one gradient per touched row and the optimizer updates those
 rows and their state. Math is fp32 whatever the table's storage type.
 
-Each optimizer is a frozen spec (plain data) with two functions: the state it
-keeps per physical row, and the update of a set of rows. ``from_torch_optim``
+Each optimizer is a frozen spec (plain data): its hyperparameters, the state
+it keeps per physical row, and its code for the one parameterised update
+kernel (sparsecore/csrc/Update.cpp). ``from_torch_optim``
 accepts ``(torch.optim.SGD | Adagrad | Adam, kwargs)`` as TorchRec's
 ``apply_optimizer_in_backward`` does, refusing options that need dense updates.
 """
@@ -13,7 +14,6 @@ accepts ``(torch.optim.SGD | Adagrad | Adam, kwargs)`` as TorchRec's
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import torch
@@ -26,11 +26,13 @@ class SGD:
     lr: float = 0.01
     """Learning rate, e.g. ``0.01``."""
 
+    kernel_code = 0
+
     def state_shapes(self, rows: int, dim: int) -> dict[str, tuple[int, ...]]:
         return {}
 
-    def update(self, weight: torch.Tensor, grad: torch.Tensor, state: dict, step: int, lr: float) -> torch.Tensor:
-        return weight.sub_(grad, alpha=lr)
+    def hyper(self, lr: float) -> list[float]:
+        return [lr, 0.0, 0.0, 0.0]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,12 +43,13 @@ class Adagrad:
     eps: float = 1e-10
     initial_accumulator_value: float = 0.0
 
+    kernel_code = 1
+
     def state_shapes(self, rows: int, dim: int) -> dict[str, tuple[int, ...]]:
         return {"sum": (rows, dim)}
 
-    def update(self, weight, grad, state, step, lr):
-        acc = state["sum"].addcmul_(grad, grad)
-        return weight.addcdiv_(grad, acc.sqrt().add_(self.eps), value=-lr)
+    def hyper(self, lr: float) -> list[float]:
+        return [lr, self.eps, 0.0, 0.0]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -56,12 +59,13 @@ class RowWiseAdagrad:
     lr: float = 0.01
     eps: float = 1e-8
 
+    kernel_code = 2
+
     def state_shapes(self, rows: int, dim: int) -> dict[str, tuple[int, ...]]:
         return {"momentum": (rows,)}
 
-    def update(self, weight, grad, state, step, lr):
-        acc = state["momentum"].add_(grad.pow(2).mean(dim=1))
-        return weight.addcdiv_(grad, acc.sqrt().add_(self.eps).unsqueeze(1), value=-lr)
+    def hyper(self, lr: float) -> list[float]:
+        return [lr, self.eps, 0.0, 0.0]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,15 +76,13 @@ class Adam:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
 
+    kernel_code = 3
+
     def state_shapes(self, rows: int, dim: int) -> dict[str, tuple[int, ...]]:
         return {"exp_avg": (rows, dim), "exp_avg_sq": (rows, dim)}
 
-    def update(self, weight, grad, state, step, lr):
-        beta1, beta2 = self.betas
-        exp_avg = state["exp_avg"].lerp_(grad, 1 - beta1)
-        exp_avg_sq = state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
-        return weight.addcdiv_(exp_avg, exp_avg_sq.sqrt().add_(self.eps), value=-step_size)
+    def hyper(self, lr: float) -> list[float]:
+        return [lr, self.eps, self.betas[0], self.betas[1]]
 
 
 Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam
