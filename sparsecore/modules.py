@@ -34,6 +34,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from sparsecore.config import SparseCoreEmbeddingConfig, TorchRecConfig, as_sparsecore_config
 from sparsecore.errors import InputError
 from sparsecore.fused import FusedLookup, placeholder
+from sparsecore.fused_optimizer import FusedOptimizer, StepCount, TableState
 from sparsecore.kernels import lookup
 from sparsecore.optim import Optimizer, from_torch_optim
 from sparsecore.preprocess import PreprocessedBatch, preprocess_stacks
@@ -95,6 +96,7 @@ class SparseCoreEmbeddingBagCollection(nn.Module):
                     for name, shape in self._optimizer.state_shapes(rows, stack.embedding_dim).items()
                 }
                 self._steps[stack.name] = 0
+            self.fused_optimizer = self._make_fused_optimizer()
         self._register_state_dict_hook(_logical_state_dict)
         self._register_load_state_dict_pre_hook(_load_logical_state_dict, with_module=True)
 
@@ -110,6 +112,20 @@ class SparseCoreEmbeddingBagCollection(nn.Module):
                 if f in features:
                     raise InputError(f"feature {f!r} is served by both {features[f]!r} and {t.name!r}")
                 features[f] = t.name
+
+    def _make_fused_optimizer(self) -> FusedOptimizer:
+        params, state = {}, {}
+        for t in self._configs:
+            stack = next(s for s in self._stacks if t.name in s.placements)
+            # Parameter handles: the optimizer keys its state by them (TorchRec's keys).
+            handle = torch.empty(0)
+            params[f"embedding_bags.{t.name}.weight"] = handle
+            rows = lambda stack=stack, name=t.name: logical_to_physical(stack, name, self._device)  # noqa: E731
+            entries = {f"{t.name}.{key}": TableState(value, rows) for key, value in self._optimizer_state[stack.name].items()}
+            entries[f"{t.name}.step"] = StepCount(self._steps, stack.name)
+            state[handle] = entries
+        hyper = {k: v for k, v in vars(self._optimizer).items() if k != "lr"}
+        return FusedOptimizer(params=params, state=state, lr=self._optimizer.lr, hyper=hyper)
 
     # ---- weights ----
 
@@ -158,7 +174,7 @@ class SparseCoreEmbeddingBagCollection(nn.Module):
         torch.ops.sparsecore.backward_update(
             self._weights[stack.name], list(self._optimizer_state[stack.name].values()), grad_output,
             row_pointers, embedding_ids, sample_ids, gains, self._optimizer.kernel_code,
-            self._optimizer.hyper(self._optimizer.lr), self._steps[stack.name],
+            self._optimizer.hyper(self.fused_optimizer.lr), self._steps[stack.name],
         )
 
     def _lookup(self, stack: StackSpec, coo) -> torch.Tensor:

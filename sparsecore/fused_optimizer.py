@@ -1,0 +1,66 @@
+"""The optimizer of fused tables as TorchRec sees it: a ``KeyedOptimizer``.
+
+Updates happen inside the backward, so ``step()`` and ``zero_grad()`` do
+nothing; what the object is for is the state (``state_dict`` /
+``load_state_dict``, one entry per table under TorchRec's parameter keys) and
+``param_groups``, whose ``lr`` the next backward reads, so standard LR
+schedulers drive the fused update.
+
+State lives in the stacks' physical (mod-sharded) layout; the entries here are
+views that gather a table's rows in logical order on ``state_dict`` and
+scatter them back on ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torchrec.optim.keyed import KeyedOptimizer
+
+
+class TableState:
+    """One table's rows of one physical state tensor, in logical row order."""
+
+    def __init__(self, tensor: torch.Tensor, rows: Callable[[], torch.Tensor]):
+        self._tensor, self._rows = tensor, rows
+
+    def state_dict(self) -> torch.Tensor:
+        return self._tensor.index_select(0, self._rows()).cpu()
+
+    def load_state_dict(self, value: torch.Tensor) -> None:
+        rows = self._rows()
+        if tuple(value.shape) != (rows.numel(), *self._tensor.shape[1:]):
+            raise ValueError(f"optimizer state of shape {tuple(value.shape)} does not fit "
+                             f"{(rows.numel(), *self._tensor.shape[1:])}")
+        self._tensor.index_copy_(0, rows, value.to(self._tensor))
+
+
+class StepCount:
+    """A stack's optimizer step count (Adam's bias correction), saved per table."""
+
+    def __init__(self, steps: dict[str, int], stack: str):
+        self._steps, self._stack = steps, stack
+
+    def state_dict(self) -> torch.Tensor:
+        return torch.tensor(self._steps[self._stack])
+
+    def load_state_dict(self, value: torch.Tensor) -> None:
+        self._steps[self._stack] = int(value)
+
+
+class FusedOptimizer(KeyedOptimizer):
+    """``module.fused_optimizer``: state and learning rate of the fused update."""
+
+    def __init__(self, *, params: dict[str, torch.Tensor], state: dict, lr: float, hyper: dict):
+        super().__init__(params=params, state=state, param_groups=[{"params": list(params.values()), "lr": lr, **hyper}])
+
+    @property
+    def lr(self) -> float:
+        return float(next(iter(self.param_groups))["lr"])
+
+    def step(self, closure=None):  # noqa: D102 - the update ran in the backward
+        return closure() if closure is not None else None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102 - no gradients exist
+        return None
