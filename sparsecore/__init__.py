@@ -1,17 +1,30 @@
-"""sparsecore: the SparseCore embedding engine (host preprocessing, stacking, configs).
+"""sparsecore: the SparseCore embedding engine.
 
 Sparse embedding lookups and their fused-optimizer updates run here; the
-dense rest of a model is ordinary tpu tensors. Built so far: table configs,
-stacking with mod sharding, and host preprocessing into per-SparseCore COO
-buffers. Kernels and modules come next (issue 3).
+dense rest of a model is ordinary tpu tensors. TorchRec-compatible modules
+(``SparseCoreEmbeddingBagCollection``, ``SparseCoreEmbeddingCollection``)
+over table configs, stacking with mod sharding, host preprocessing into
+per-SparseCore COO buffers (``preprocess``), C++ kernels for the lookup and
+the fused-optimizer backward (``sparsecore.optim``).
 """
 
 from sparsecore.config import SparseCoreEmbeddingConfig, as_sparsecore_config
+from sparsecore import optim
 from sparsecore.errors import ConfigError, InputError, PartitionLimitError, SparseCoreError
+from sparsecore.modules import SparseCoreEmbeddingBagCollection, SparseCoreEmbeddingCollection
 from sparsecore.preprocess import PartitionStats, PreprocessedBatch, StackBatch, preprocess_stacks
 from sparsecore.stacking import StackSpec, TablePlacement, plan_stacks
 
+def preprocess(features, module) -> PreprocessedBatch:
+    """Host preprocessing of a KJT for a SparseCore module, ready for its forward."""
+    return module.preprocess(features)
+
+
 __all__ = [
+    "SparseCoreEmbeddingBagCollection",
+    "SparseCoreEmbeddingCollection",
+    "optim",
+    "preprocess",
     "ConfigError",
     "InputError",
     "PartitionLimitError",

@@ -1,5 +1,9 @@
 """TorchRec-compatible embedding modules on the SparseCore engine.
 
+``SparseCoreEmbeddingCollection`` does the same for sequence (unpooled)
+features: ``forward(KJT) -> dict[str, JaggedTensor]`` like TorchRec's
+``EmbeddingCollection``, with ``embeddings.<table>.weight`` keys.
+
 ``SparseCoreEmbeddingBagCollection`` takes the configs TorchRec's
 ``EmbeddingBagCollection`` takes and gives what it gives: ``forward(KJT) ->
 KeyedTensor`` with the same keys, order and ``state_dict`` keys
@@ -24,196 +28,52 @@ Example (two features sharing one table)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
-from torch import nn
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
-from sparsecore.config import SparseCoreEmbeddingConfig, TorchRecConfig, as_sparsecore_config
-from sparsecore.errors import InputError
-from sparsecore.fused import FusedLookup, placeholder
-from sparsecore.fused_optimizer import FusedOptimizer, StepCount, TableState
-from sparsecore.kernels import lookup
-from sparsecore.optim import Optimizer, from_torch_optim
-from sparsecore.preprocess import PreprocessedBatch, preprocess_stacks
-from sparsecore.stacking import StackSpec, plan_stacks
+from sparsecore.collection import SparseCoreCollection
+from sparsecore.preprocess import PreprocessedBatch
 
 
-def default_num_sparsecores(device: torch.device) -> int:
-    """The chip's SparseCores for a tpu device; 1 elsewhere (a plain-CPU run of the engine)."""
-    if device.type == "tpu":
-        return torch.tpu.get_device_properties(device).sparsecores_per_chip
-    return 1
-
-
-def logical_to_physical(stack: StackSpec, table: str, device: torch.device | None = None) -> torch.Tensor:
-    """Physical row of each logical row of a table (sparsecore.stacking's mod sharding)."""
-    p = stack.placements[table]
-    config = next(t for t in stack.tables if t.name == table)
-    shifted = torch.arange(config.num_embeddings, device=device) + p.rotation
-    n = stack.num_sparsecores
-    return (shifted % n) * stack.rows_per_sparsecore + p.row_offset + shifted // n
-
-
-class SparseCoreEmbeddingBagCollection(nn.Module):
+class SparseCoreEmbeddingBagCollection(SparseCoreCollection):
     """Pooled embedding tables on the SparseCore, a drop-in for TorchRec's EmbeddingBagCollection."""
 
-    def __init__(
-        self,
-        tables: Sequence[SparseCoreEmbeddingConfig | TorchRecConfig],
-        optimizer: Optimizer | tuple | None = None,
-        device: torch.device | str | None = None,
-        *,
-        num_sparsecores: int | None = None,
-        allow_id_dropping: bool = False,
-    ):
-        super().__init__()
-        self._configs = [as_sparsecore_config(t) for t in tables]
-        self._check_tables()
-        self._device = torch.device(device if device is not None else "tpu")
-        n = num_sparsecores or default_num_sparsecores(self._device)
-        self._stacks = plan_stacks(self._configs, n)
-        self._allow_id_dropping = allow_id_dropping
-        self._feature_order = [f for t in self._configs for f in t.feature_names]
-        self._weights = nn.ParameterDict()
-        for stack in self._stacks:
-            shape = (n * stack.rows_per_sparsecore, stack.embedding_dim)
-            weight = torch.zeros(shape, dtype=stack.tables[0].dtype, device=self._device)
-            self._weights[stack.name] = nn.Parameter(weight, requires_grad=False)
-        self.reset_parameters()
-        self._optimizer = None if optimizer is None else from_torch_optim(optimizer)
-        self._optimizer_state: dict[str, dict[str, torch.Tensor]] = {}
-        self._steps: dict[str, int] = {}
-        if self._optimizer is not None:
-            self._placeholder = placeholder(self._device)
-            for stack in self._stacks:
-                rows = n * stack.rows_per_sparsecore
-                self._optimizer_state[stack.name] = {
-                    name: torch.full(shape, getattr(self._optimizer, "initial_accumulator_value", 0.0),
-                                     dtype=torch.float32, device=self._device)
-                    for name, shape in self._optimizer.state_shapes(rows, stack.embedding_dim).items()
-                }
-                self._steps[stack.name] = 0
-            self.fused_optimizer = self._make_fused_optimizer()
-        self._register_state_dict_hook(_logical_state_dict)
-        self._register_load_state_dict_pre_hook(_load_logical_state_dict, with_module=True)
-
-    def _check_tables(self) -> None:
-        names, features = set(), {}
-        for t in self._configs:
-            if not t.is_pooled:
-                raise InputError(f"table {t.name!r} is a sequence table; use SparseCoreEmbeddingCollection")
-            if t.name in names:
-                raise InputError(f"table name {t.name!r} is used twice")
-            names.add(t.name)
-            for f in t.feature_names:
-                if f in features:
-                    raise InputError(f"feature {f!r} is served by both {features[f]!r} and {t.name!r}")
-                features[f] = t.name
-
-    def _make_fused_optimizer(self) -> FusedOptimizer:
-        params, state = {}, {}
-        for t in self._configs:
-            stack = next(s for s in self._stacks if t.name in s.placements)
-            # Parameter handles: the optimizer keys its state by them (TorchRec's keys).
-            handle = torch.empty(0)
-            params[f"embedding_bags.{t.name}.weight"] = handle
-            rows = lambda stack=stack, name=t.name: logical_to_physical(stack, name, self._device)  # noqa: E731
-            entries = {f"{t.name}.{key}": TableState(value, rows) for key, value in self._optimizer_state[stack.name].items()}
-            entries[f"{t.name}.step"] = StepCount(self._steps, stack.name)
-            state[handle] = entries
-        hyper = {k: v for k, v in vars(self._optimizer).items() if k != "lr"}
-        return FusedOptimizer(params=params, state=state, lr=self._optimizer.lr, hyper=hyper)
-
-    # ---- weights ----
-
-    def _locate(self, table: str) -> tuple[StackSpec, torch.Tensor]:
-        stack = next(s for s in self._stacks if table in s.placements)
-        return stack, logical_to_physical(stack, table, self._weights[stack.name].device)
-
-    def table_weight(self, table: str) -> torch.Tensor:
-        """A copy of the table's (num_embeddings, dim) weights in logical row order."""
-        stack, rows = self._locate(table)
-        return self._weights[stack.name].detach().index_select(0, rows)
-
-    @torch.no_grad()
-    def set_table_weight(self, table: str, weight: torch.Tensor) -> None:
-        stack, rows = self._locate(table)
-        target = self._weights[stack.name]
-        target.index_copy_(0, rows, weight.to(device=target.device, dtype=target.dtype))
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """Initializes every table with its config's init_fn (as TorchRec does)."""
-        for t in self._configs:
-            weight = torch.empty(t.num_embeddings, t.embedding_dim, dtype=t.dtype, device=self._device)
-            if weight.device.type == "meta":
-                continue
-            if t.init_fn is not None:
-                t.init_fn(weight)
-            self.set_table_weight(t.name, weight)
-
-    # ---- TorchRec contract ----
+    _weight_prefix = "embedding_bags"
+    _pooled = True
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return [t.config for t in self._configs]
 
-    @property
-    def stacks(self) -> list[StackSpec]:
-        return list(self._stacks)
-
-    def preprocess(self, features: KeyedJaggedTensor) -> PreprocessedBatch:
-        return preprocess_stacks(features, self._stacks, allow_id_dropping=self._allow_id_dropping)
-
-    @torch.no_grad()
-    def _update(self, stack: StackSpec, grad_output, row_pointers, embedding_ids, sample_ids, gains) -> None:
-        """The fused backward of one stack: optimizer step on the touched rows."""
-        self._steps[stack.name] += 1
-        torch.ops.sparsecore.backward_update(
-            self._weights[stack.name], list(self._optimizer_state[stack.name].values()), grad_output,
-            row_pointers, embedding_ids, sample_ids, gains, self._optimizer.kernel_code,
-            self._optimizer.hyper(self.fused_optimizer.lr), self._steps[stack.name],
-        )
-
-    def _lookup(self, stack: StackSpec, coo) -> torch.Tensor:
-        weight = self._weights[stack.name]
-        args = (coo.row_pointers.to(weight.device), coo.embedding_ids.to(weight.device),
-                coo.sample_ids.to(weight.device), coo.gains.to(weight.device))
-        if self._optimizer is None or not torch.is_grad_enabled():
-            return lookup(weight, *args, coo.num_bags)
-        updater = lambda grad, *buffers: self._update(stack, grad, *buffers)  # noqa: E731
-        return FusedLookup.apply(self._placeholder, weight, *args, coo.num_bags, updater)
-
     def forward(self, features: KeyedJaggedTensor | PreprocessedBatch) -> KeyedTensor:
-        batch = features if isinstance(features, PreprocessedBatch) else self.preprocess(features)
+        batch, outputs = self._lookup_all(features)
         pooled: dict[str, torch.Tensor] = {}
         for stack in self._stacks:
-            out = self._lookup(stack, batch.stacks[stack.name])
             for slot, feature in enumerate(stack.feature_names):
-                pooled[feature] = out[slot * batch.batch_size:(slot + 1) * batch.batch_size]
-        dims = [next(t.embedding_dim for t in self._configs if f in t.feature_names) for f in self._feature_order]
-        values = torch.cat([pooled[f] for f in self._feature_order], dim=1) if self._feature_order else None
-        return KeyedTensor(keys=list(self._feature_order), length_per_key=dims, values=values)
+                pooled[feature] = outputs[stack.name][slot * batch.batch_size:(slot + 1) * batch.batch_size]
+        keys = [f for t in self._configs for f in t.feature_names]
+        dims = [t.embedding_dim for t in self._configs for _ in t.feature_names]
+        return KeyedTensor(keys=keys, length_per_key=dims, values=torch.cat([pooled[f] for f in keys], dim=1))
 
 
-def _logical_state_dict(module: SparseCoreEmbeddingBagCollection, state: dict, prefix: str, _meta) -> dict:
-    for stack in module._stacks:
-        state.pop(f"{prefix}_weights.{stack.name}", None)
-    for t in module._configs:
-        state[f"{prefix}embedding_bags.{t.name}.weight"] = module.table_weight(t.name)
-    return state
+class SparseCoreEmbeddingCollection(SparseCoreCollection):
+    """Sequence embedding tables on the SparseCore, a drop-in for TorchRec's EmbeddingCollection."""
 
+    _weight_prefix = "embeddings"
+    _pooled = False
 
-def _load_logical_state_dict(module: SparseCoreEmbeddingBagCollection, state: dict, prefix: str, *_args) -> None:
-    for t in module._configs:
-        key = f"{prefix}embedding_bags.{t.name}.weight"
-        if key in state:
-            weight = state.pop(key)
-            expected = (t.num_embeddings, t.embedding_dim)
-            if tuple(weight.shape) != expected:
-                raise InputError(f"{key}: shape {tuple(weight.shape)} does not match the table's {expected}")
-            module.set_table_weight(t.name, weight)
-    for stack in module._stacks:
-        state[f"{prefix}_weights.{stack.name}"] = module._weights[stack.name].detach()
+    def embedding_configs(self) -> list[EmbeddingConfig]:
+        return [t.config for t in self._configs]
+
+    def forward(self, features: KeyedJaggedTensor | PreprocessedBatch) -> dict[str, JaggedTensor]:
+        batch, outputs = self._lookup_all(features)
+        result: dict[str, JaggedTensor] = {}
+        for stack in self._stacks:
+            start = 0
+            for feature in stack.feature_names:
+                lengths = batch.lengths[feature]
+                count = int(lengths.sum())
+                result[feature] = JaggedTensor(
+                    values=outputs[stack.name][start:start + count], lengths=lengths.to(outputs[stack.name].device))
+                start += count
+        return {f: result[f] for t in self._configs for f in t.feature_names}

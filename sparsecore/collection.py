@@ -1,0 +1,201 @@
+"""What the SparseCore embedding modules share: tables, stacks, weights, the fused optimizer.
+
+Tables are stacked and mod-sharded over the device's SparseCores
+(sparsecore.stacking); each stack's weights are one physical table. The
+module's ``state_dict`` shows every table in logical row order under
+TorchRec's keys (``<prefix>.<table>.weight``), and ``fused_optimizer`` (when
+the module trains) holds the optimizer state the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from sparsecore.config import SparseCoreEmbeddingConfig, TorchRecConfig, as_sparsecore_config
+from sparsecore.errors import InputError
+from sparsecore.fused import FusedLookup, placeholder
+from sparsecore.fused_optimizer import FusedOptimizer, StepCount, TableState
+from sparsecore.kernels import lookup
+from sparsecore.optim import Optimizer, from_torch_optim
+from sparsecore.preprocess import PreprocessedBatch, StackBatch, preprocess_stacks
+from sparsecore.stacking import StackSpec, plan_stacks
+
+
+def default_num_sparsecores(device: torch.device) -> int:
+    """The chip's SparseCores for a tpu device; 1 elsewhere (a plain-CPU run of the engine)."""
+    if device.type == "tpu":
+        return torch.tpu.get_device_properties(device).sparsecores_per_chip
+    return 1
+
+
+def logical_to_physical(stack: StackSpec, table: str, device: torch.device | None = None) -> torch.Tensor:
+    """Physical row of each logical row of a table (sparsecore.stacking's mod sharding)."""
+    p = stack.placements[table]
+    config = next(t for t in stack.tables if t.name == table)
+    shifted = torch.arange(config.num_embeddings, device=device) + p.rotation
+    n = stack.num_sparsecores
+    return (shifted % n) * stack.rows_per_sparsecore + p.row_offset + shifted // n
+
+
+class SparseCoreCollection(nn.Module):
+    """Base of the pooled and sequence collections; subclasses set the two class attributes."""
+
+    _weight_prefix = ""  # TorchRec's state_dict prefix: "embedding_bags" or "embeddings"
+    _pooled = True
+
+    def __init__(
+        self,
+        tables: Sequence[SparseCoreEmbeddingConfig | TorchRecConfig],
+        optimizer: Optimizer | tuple | None = None,
+        device: torch.device | str | None = None,
+        *,
+        num_sparsecores: int | None = None,
+        allow_id_dropping: bool = False,
+    ):
+        super().__init__()
+        self._configs = [as_sparsecore_config(t) for t in tables]
+        self._check_tables()
+        self._device = torch.device(device if device is not None else "tpu")
+        n = num_sparsecores or default_num_sparsecores(self._device)
+        self._stacks = plan_stacks(self._configs, n)
+        self._allow_id_dropping = allow_id_dropping
+        self._weights = nn.ParameterDict()
+        for stack in self._stacks:
+            weight = torch.zeros((n * stack.rows_per_sparsecore, stack.embedding_dim),
+                                 dtype=stack.tables[0].dtype, device=self._device)
+            self._weights[stack.name] = nn.Parameter(weight, requires_grad=False)
+        self.reset_parameters()
+        self._optimizer = None if optimizer is None else from_torch_optim(optimizer)
+        self._optimizer_state: dict[str, dict[str, torch.Tensor]] = {}
+        self._steps: dict[str, int] = {}
+        if self._optimizer is not None:
+            self._placeholder = placeholder(self._device)
+            for stack in self._stacks:
+                rows = n * stack.rows_per_sparsecore
+                initial = getattr(self._optimizer, "initial_accumulator_value", 0.0)
+                self._optimizer_state[stack.name] = {
+                    name: torch.full(shape, initial, dtype=torch.float32, device=self._device)
+                    for name, shape in self._optimizer.state_shapes(rows, stack.embedding_dim).items()
+                }
+                self._steps[stack.name] = 0
+            self.fused_optimizer = self._make_fused_optimizer()
+        self._register_state_dict_hook(_logical_state_dict)
+        self._register_load_state_dict_pre_hook(_load_logical_state_dict, with_module=True)
+
+    def _check_tables(self) -> None:
+        names, features = set(), {}
+        kind = "pooled (EmbeddingBagConfig)" if self._pooled else "sequence (EmbeddingConfig)"
+        for t in self._configs:
+            if t.is_pooled != self._pooled:
+                raise InputError(f"table {t.name!r} is not a {kind} table, which {type(self).__name__} takes")
+            if t.name in names:
+                raise InputError(f"table name {t.name!r} is used twice")
+            names.add(t.name)
+            for f in t.feature_names:
+                if f in features:
+                    raise InputError(f"feature {f!r} is served by both {features[f]!r} and {t.name!r}")
+                features[f] = t.name
+
+    def _weight_key(self, table: str) -> str:
+        return f"{self._weight_prefix}.{table}.weight"
+
+    def _make_fused_optimizer(self) -> FusedOptimizer:
+        params, state = {}, {}
+        for t in self._configs:
+            stack = self._stack_of(t.name)
+            # Parameter handles: the optimizer keys its state by them (TorchRec's keys).
+            handle = torch.empty(0)
+            params[self._weight_key(t.name)] = handle
+            rows = lambda stack=stack, name=t.name: logical_to_physical(stack, name, self._device)  # noqa: E731
+            entries = {f"{t.name}.{key}": TableState(value, rows) for key, value in self._optimizer_state[stack.name].items()}
+            entries[f"{t.name}.step"] = StepCount(self._steps, stack.name)
+            state[handle] = entries
+        hyper = {k: v for k, v in vars(self._optimizer).items() if k != "lr"}
+        return FusedOptimizer(params=params, state=state, lr=self._optimizer.lr, hyper=hyper)
+
+    # ---- weights ----
+
+    def _stack_of(self, table: str) -> StackSpec:
+        return next(s for s in self._stacks if table in s.placements)
+
+    def table_weight(self, table: str) -> torch.Tensor:
+        """A copy of the table's (num_embeddings, dim) weights in logical row order."""
+        stack = self._stack_of(table)
+        weight = self._weights[stack.name]
+        return weight.detach().index_select(0, logical_to_physical(stack, table, weight.device))
+
+    @torch.no_grad()
+    def set_table_weight(self, table: str, weight: torch.Tensor) -> None:
+        stack = self._stack_of(table)
+        target = self._weights[stack.name]
+        rows = logical_to_physical(stack, table, target.device)
+        target.index_copy_(0, rows, weight.to(device=target.device, dtype=target.dtype))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initializes every table with its config's init_fn (as TorchRec does)."""
+        for t in self._configs:
+            weight = torch.empty(t.num_embeddings, t.embedding_dim, dtype=t.dtype, device=self._device)
+            if weight.device.type == "meta":
+                continue
+            if t.init_fn is not None:
+                t.init_fn(weight)
+            self.set_table_weight(t.name, weight)
+
+    @property
+    def stacks(self) -> list[StackSpec]:
+        return list(self._stacks)
+
+    # ---- lookups ----
+
+    def preprocess(self, features: KeyedJaggedTensor) -> PreprocessedBatch:
+        return preprocess_stacks(features, self._stacks, allow_id_dropping=self._allow_id_dropping)
+
+    @torch.no_grad()
+    def _update(self, stack: StackSpec, grad_output, row_pointers, embedding_ids, sample_ids, gains) -> None:
+        """The fused backward of one stack: optimizer step on the touched rows."""
+        self._steps[stack.name] += 1
+        torch.ops.sparsecore.backward_update(
+            self._weights[stack.name], list(self._optimizer_state[stack.name].values()), grad_output,
+            row_pointers, embedding_ids, sample_ids, gains, self._optimizer.kernel_code,
+            self._optimizer.hyper(self.fused_optimizer.lr), self._steps[stack.name],
+        )
+
+    def _lookup(self, stack: StackSpec, coo: StackBatch) -> torch.Tensor:
+        """(bags, dim) rows of one stack; trains the stack in the backward if there is an optimizer."""
+        weight = self._weights[stack.name]
+        args = (coo.row_pointers.to(weight.device), coo.embedding_ids.to(weight.device),
+                coo.sample_ids.to(weight.device), coo.gains.to(weight.device))
+        if self._optimizer is None or not torch.is_grad_enabled():
+            return lookup(weight, *args, coo.num_bags)
+        updater = lambda grad, *buffers: self._update(stack, grad, *buffers)  # noqa: E731
+        return FusedLookup.apply(self._placeholder, weight, *args, coo.num_bags, updater)
+
+    def _lookup_all(self, features: KeyedJaggedTensor | PreprocessedBatch) -> tuple[PreprocessedBatch, dict[str, torch.Tensor]]:
+        batch = features if isinstance(features, PreprocessedBatch) else self.preprocess(features)
+        return batch, {stack.name: self._lookup(stack, batch.stacks[stack.name]) for stack in self._stacks}
+
+
+def _logical_state_dict(module: SparseCoreCollection, state: dict, prefix: str, _meta) -> dict:
+    for stack in module._stacks:
+        state.pop(f"{prefix}_weights.{stack.name}", None)
+    for t in module._configs:
+        state[prefix + module._weight_key(t.name)] = module.table_weight(t.name)
+    return state
+
+
+def _load_logical_state_dict(module: SparseCoreCollection, state: dict, prefix: str, *_args) -> None:
+    for t in module._configs:
+        key = prefix + module._weight_key(t.name)
+        if key in state:
+            weight = state.pop(key)
+            expected = (t.num_embeddings, t.embedding_dim)
+            if tuple(weight.shape) != expected:
+                raise InputError(f"{key}: shape {tuple(weight.shape)} does not match the table's {expected}")
+            module.set_table_weight(t.name, weight)
+    for stack in module._stacks:
+        state[f"{prefix}_weights.{stack.name}"] = module._weights[stack.name].detach()
