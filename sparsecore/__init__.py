@@ -11,6 +11,7 @@ the fused-optimizer backward (``sparsecore.optim``).
 from sparsecore.config import SparseCoreEmbeddingConfig, as_sparsecore_config
 from sparsecore import optim
 from sparsecore.errors import ConfigError, InputError, PartitionLimitError, SparseCoreError
+from sparsecore.convert import from_torchrec, to_torchrec
 from sparsecore.modules import SparseCoreEmbeddingBagCollection, SparseCoreEmbeddingCollection
 from sparsecore.preprocess import PartitionStats, PreprocessedBatch, StackBatch, preprocess_stacks
 from sparsecore.stacking import StackSpec, TablePlacement, plan_stacks
@@ -23,8 +24,10 @@ def preprocess(features, module) -> PreprocessedBatch:
 __all__ = [
     "SparseCoreEmbeddingBagCollection",
     "SparseCoreEmbeddingCollection",
+    "from_torchrec",
     "optim",
     "preprocess",
+    "to_torchrec",
     "ConfigError",
     "InputError",
     "PartitionLimitError",

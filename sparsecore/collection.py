@@ -70,21 +70,49 @@ class SparseCoreCollection(nn.Module):
             self._weights[stack.name] = nn.Parameter(weight, requires_grad=False)
         self.reset_parameters()
         self._optimizer = None if optimizer is None else from_torch_optim(optimizer)
-        self._optimizer_state: dict[str, dict[str, torch.Tensor]] = {}
-        self._steps: dict[str, int] = {}
-        if self._optimizer is not None:
-            self._placeholder = placeholder(self._device)
-            for stack in self._stacks:
-                rows = n * stack.rows_per_sparsecore
-                initial = getattr(self._optimizer, "initial_accumulator_value", 0.0)
-                self._optimizer_state[stack.name] = {
-                    name: torch.full(shape, initial, dtype=torch.float32, device=self._device)
-                    for name, shape in self._optimizer.state_shapes(rows, stack.embedding_dim).items()
-                }
-                self._steps[stack.name] = 0
-            self.fused_optimizer = self._make_fused_optimizer()
+        self._init_optimizer_state()
         self._register_state_dict_hook(_logical_state_dict)
         self._register_load_state_dict_pre_hook(_load_logical_state_dict, with_module=True)
+
+    def _init_optimizer_state(self) -> None:
+        """Fresh optimizer state on the module's device (none without an optimizer)."""
+        self._optimizer_state: dict[str, dict[str, torch.Tensor]] = {}
+        self._steps: dict[str, int] = {}
+        if self._optimizer is None:
+            return
+        self._placeholder = placeholder(self._device)
+        initial = getattr(self._optimizer, "initial_accumulator_value", 0.0)
+        for stack in self._stacks:
+            rows = stack.num_sparsecores * stack.rows_per_sparsecore
+            self._optimizer_state[stack.name] = {
+                name: torch.full(shape, initial, dtype=torch.float32, device=self._device)
+                for name, shape in self._optimizer.state_shapes(rows, stack.embedding_dim).items()
+            }
+            self._steps[stack.name] = 0
+        self.fused_optimizer = self._make_fused_optimizer()
+
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> SparseCoreCollection:
+        """Materializes a module built on the meta device; call reset_parameters() (or load) next."""
+        super().to_empty(device=device, recurse=recurse)
+        self._device = torch.device(device)
+        self._init_optimizer_state()
+        return self
+
+    def to_torchrec(self) -> nn.Module:
+        """The TorchRec module with these tables and weights (see sparsecore.convert)."""
+        from sparsecore.convert import to_torchrec  # convert imports the subclasses of this one
+
+        return to_torchrec(self)
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes of the tables, the optimizer state and the COO buffers (at the partition limits)."""
+        tables = sum(w.numel() * w.element_size() for w in self._weights.values())
+        state = sum(t.numel() * t.element_size() for group in self._optimizer_state.values() for t in group.values())
+        entry_bytes = 4 + 4 + 4  # local row, bag, gain
+        buffers = sum(
+            s.num_sparsecores * s.num_sparsecores * (s.max_ids_per_partition * entry_bytes + 4) for s in self._stacks
+        )
+        return {"tables": tables, "optimizer_state": state, "buffers": buffers, "total": tables + state + buffers}
 
     def _check_tables(self) -> None:
         names, features = set(), {}
