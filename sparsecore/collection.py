@@ -9,6 +9,7 @@ the module trains) holds the optimizer state the same way.
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Sequence
 
 import torch
@@ -17,6 +18,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from sparsecore.config import SparseCoreEmbeddingConfig, TorchRecConfig, as_sparsecore_config
 from sparsecore.errors import InputError
+from sparsecore.executor import executor_for
 from sparsecore.fused import FusedLookup, placeholder
 from sparsecore.fused_optimizer import FusedOptimizer, StepCount, TableState
 from sparsecore.kernels import lookup
@@ -202,6 +204,16 @@ class SparseCoreCollection(nn.Module):
             return lookup(weight, *args, coo.num_bags)
         updater = lambda grad, *buffers: self._update(stack, grad, *buffers)  # noqa: E731
         return FusedLookup.apply(self._placeholder, weight, *args, coo.num_bags, updater)
+
+    def forward_async(self, features: KeyedJaggedTensor | PreprocessedBatch) -> concurrent.futures.Future:
+        """Runs forward (preprocessing included) on the device's SparseCore executor.
+
+        Returns a Future of what forward returns; TensorCore work issued meanwhile
+        overlaps it. tpu modules only: the executor is a tpu stream.
+        """
+        if self._device.type != "tpu":
+            raise ValueError(f"forward_async needs a tpu module, this one is on {self._device}")
+        return executor_for(self._device).submit(self.forward, features)
 
     def _lookup_all(self, features: KeyedJaggedTensor | PreprocessedBatch) -> tuple[PreprocessedBatch, dict[str, torch.Tensor]]:
         batch = features if isinstance(features, PreprocessedBatch) else self.preprocess(features)
