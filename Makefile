@@ -32,7 +32,7 @@ demo: setup
 	$(PY) -m models.demo
 
 test: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not timing"
 
 test-all: setup
 	$(PY) -m pytest -q

@@ -24,7 +24,16 @@ class SparseCoreExecutor:
         self.stream = torch.tpu.Stream(self.device)
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
-        return torch.tpu.submit(self.stream, fn, *args, **kwargs)
+        # The work runs with the submitting thread's intra-op thread count
+        # (a thread keeps its own OpenMP setting otherwise).
+        threads = torch.get_num_threads()
+
+        def task() -> Any:
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+            return fn(*args, **kwargs)
+
+        return torch.tpu.submit(self.stream, task)
 
     def synchronize(self) -> None:
         self.stream.synchronize()

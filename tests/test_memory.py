@@ -1,9 +1,20 @@
 """Emulated HBM accounting: exact statistics, peaks, capacity and OOM."""
 
+import gc
+
 import pytest
 import torch
 
 MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def no_collection_during_counts():
+    """Counts must move only with the test's own tensors: no garbage collection meanwhile."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
 
 
 def test_allocation_moves_the_count_by_exactly_its_size():

@@ -2,6 +2,7 @@
 
 import time
 
+import pytest
 import torch
 from torchrec import EmbeddingBagConfig
 
@@ -45,6 +46,7 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+@pytest.mark.timing
 def test_sparse_work_overlaps_dense_work():
     """Same thread counts (one each): overlapped wall time < the sum of both."""
     previous = torch.get_num_threads()
