@@ -19,7 +19,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from sparsecore.config import SparseCoreEmbeddingConfig, TorchRecConfig, as_sparsecore_config
 from sparsecore.errors import InputError
 from sparsecore.executor import executor_for
-from sparsecore.fused import FusedLookup, placeholder
+from sparsecore.fused import fused_lookup, placeholder
 from sparsecore.fused_optimizer import FusedOptimizer, StepCount, TableState
 from sparsecore.kernels import lookup
 from sparsecore.optim import Optimizer, from_torch_optim
@@ -79,10 +79,12 @@ class SparseCoreCollection(nn.Module):
     def _init_optimizer_state(self) -> None:
         """Fresh optimizer state on the module's device (none without an optimizer)."""
         self._optimizer_state: dict[str, dict[str, torch.Tensor]] = {}
-        self._steps: dict[str, int] = {}
+        self._steps: dict[str, torch.Tensor] = {}  # per stack: int64 [1], updated by the kernel
         if self._optimizer is None:
             return
         self._placeholder = placeholder(self._device)
+        # [lr, eps, beta1, beta2] on the host; fused_optimizer keeps lr in step with param_groups.
+        self._hyper = torch.tensor(self._optimizer.hyper(self._optimizer.lr), dtype=torch.float64)
         initial = getattr(self._optimizer, "initial_accumulator_value", 0.0)
         for stack in self._stacks:
             rows = stack.num_sparsecores * stack.rows_per_sparsecore
@@ -90,7 +92,7 @@ class SparseCoreCollection(nn.Module):
                 name: torch.full(shape, initial, dtype=torch.float32, device=self._device)
                 for name, shape in self._optimizer.state_shapes(rows, stack.embedding_dim).items()
             }
-            self._steps[stack.name] = 0
+            self._steps[stack.name] = torch.zeros(1, dtype=torch.int64)
         self.fused_optimizer = self._make_fused_optimizer()
 
     def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> SparseCoreCollection:
@@ -142,10 +144,10 @@ class SparseCoreCollection(nn.Module):
             params[self._weight_key(t.name)] = handle
             rows = lambda stack=stack, name=t.name: logical_to_physical(stack, name, self._device)  # noqa: E731
             entries = {f"{t.name}.{key}": TableState(value, rows) for key, value in self._optimizer_state[stack.name].items()}
-            entries[f"{t.name}.step"] = StepCount(self._steps, stack.name)
+            entries[f"{t.name}.step"] = StepCount(self._steps[stack.name])
             state[handle] = entries
         hyper = {k: v for k, v in vars(self._optimizer).items() if k != "lr"}
-        return FusedOptimizer(params=params, state=state, lr=self._optimizer.lr, hyper=hyper)
+        return FusedOptimizer(params=params, state=state, lr_tensor=self._hyper, hyper=hyper)
 
     # ---- weights ----
 
@@ -185,16 +187,6 @@ class SparseCoreCollection(nn.Module):
     def preprocess(self, features: KeyedJaggedTensor) -> PreprocessedBatch:
         return preprocess_stacks(features, self._stacks, allow_id_dropping=self._allow_id_dropping)
 
-    @torch.no_grad()
-    def _update(self, stack: StackSpec, grad_output, row_pointers, embedding_ids, sample_ids, gains) -> None:
-        """The fused backward of one stack: optimizer step on the touched rows."""
-        self._steps[stack.name] += 1
-        torch.ops.sparsecore.backward_update(
-            self._weights[stack.name], list(self._optimizer_state[stack.name].values()), grad_output,
-            row_pointers, embedding_ids, sample_ids, gains, self._optimizer.kernel_code,
-            self._optimizer.hyper(self.fused_optimizer.lr), self._steps[stack.name],
-        )
-
     def _lookup(self, stack: StackSpec, coo: StackBatch) -> torch.Tensor:
         """(bags, dim) rows of one stack; trains the stack in the backward if there is an optimizer."""
         weight = self._weights[stack.name]
@@ -202,8 +194,8 @@ class SparseCoreCollection(nn.Module):
                 coo.sample_ids.to(weight.device), coo.gains.to(weight.device))
         if self._optimizer is None or not torch.is_grad_enabled():
             return lookup(weight, *args, coo.num_bags)
-        updater = lambda grad, *buffers: self._update(stack, grad, *buffers)  # noqa: E731
-        return FusedLookup.apply(self._placeholder, weight, *args, coo.num_bags, updater)
+        return fused_lookup(self._placeholder, weight, list(self._optimizer_state[stack.name].values()),
+                            self._steps[stack.name], self._hyper, *args, coo.num_bags, self._optimizer.kernel_code)
 
     def forward_async(self, features: KeyedJaggedTensor | PreprocessedBatch) -> concurrent.futures.Future:
         """Runs forward (preprocessing included) on the device's SparseCore executor.

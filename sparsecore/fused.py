@@ -1,33 +1,60 @@
-"""The autograd shape of a fused table (DESIGN.md §4).
+"""The autograd shape of a fused table (DESIGN.md §4), as a custom op.
 
-The table is not differentiated: a zero-size placeholder that requires grad
-carries the autograd edge, and the backward hands the pooled gradient to an
-updater that applies the optimizer to the touched rows in place. So no dense
-table gradient exists, and DDP sees no gradient to reduce.
+``sparsecore::fused_lookup`` is the lookup whose backward, instead of
+returning a table gradient, runs the optimizer on the touched rows in place
+(``sparsecore::backward_update``). A zero-size placeholder that requires grad
+carries the autograd edge: the table itself is not differentiated, so no
+dense table gradient exists and DDP sees nothing to reduce. Being a custom op
+with a fake kernel, it traces whole under ``torch.compile``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from sparsecore.kernels import lookup
-
-Updater = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+from sparsecore import _library  # noqa: F401  (registers torch.ops.sparsecore)
 
 
-class FusedLookup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, placeholder, weight, row_pointers, embedding_ids, sample_ids, gains, num_bags, updater):
-        ctx.updater = updater
-        ctx.save_for_backward(row_pointers, embedding_ids, sample_ids, gains)
-        return lookup(weight, row_pointers, embedding_ids, sample_ids, gains, num_bags)
+@torch.library.custom_op("sparsecore::fused_lookup", mutates_args=())
+def fused_lookup(
+    placeholder: torch.Tensor,
+    weight: torch.Tensor,
+    state: list[torch.Tensor],
+    step: torch.Tensor,
+    hyper: torch.Tensor,
+    row_pointers: torch.Tensor,
+    embedding_ids: torch.Tensor,
+    sample_ids: torch.Tensor,
+    gains: torch.Tensor,
+    num_bags: int,
+    optimizer: int,
+) -> torch.Tensor:
+    """The lookup; its backward steps ``optimizer`` (an sparsecore.optim kernel code) on the rows."""
+    return torch.ops.sparsecore.lookup(weight, row_pointers, embedding_ids, sample_ids, gains, num_bags)
 
-    @staticmethod
-    def backward(ctx, grad_output):
-        ctx.updater(grad_output, *ctx.saved_tensors)
-        return (None,) * 8
+
+@fused_lookup.register_fake
+def _fused_lookup_fake(placeholder, weight, state, step, hyper, row_pointers, embedding_ids, sample_ids, gains,
+                       num_bags, optimizer):
+    return weight.new_empty(num_bags, weight.shape[1], dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    _, weight, state, step, hyper, row_pointers, embedding_ids, sample_ids, gains, _, optimizer = inputs
+    ctx.optimizer = optimizer
+    ctx.num_state = len(state)
+    ctx.save_for_backward(weight, step, hyper, row_pointers, embedding_ids, sample_ids, gains, *state)
+
+
+def _backward(ctx, grad_output):
+    weight, step, hyper, row_pointers, embedding_ids, sample_ids, gains, *state = ctx.saved_tensors
+    torch.ops.sparsecore.backward_update(weight, state, step, grad_output, row_pointers, embedding_ids,
+                                         sample_ids, gains, ctx.optimizer, hyper)
+    # No gradient for anything: the update above is the backward's whole effect.
+    return None, None, [None] * ctx.num_state, *(None,) * 8
+
+
+fused_lookup.register_autograd(_backward, setup_context=_setup_context)
 
 
 def placeholder(device: torch.device | str) -> torch.Tensor:

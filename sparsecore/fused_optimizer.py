@@ -39,21 +39,36 @@ class TableState:
 class StepCount:
     """A stack's optimizer step count (Adam's bias correction), saved per table."""
 
-    def __init__(self, steps: dict[str, int], stack: str):
-        self._steps, self._stack = steps, stack
+    def __init__(self, step: torch.Tensor):
+        self._step = step
 
     def state_dict(self) -> torch.Tensor:
-        return torch.tensor(self._steps[self._stack])
+        return self._step[0].clone()
 
     def load_state_dict(self, value: torch.Tensor) -> None:
-        self._steps[self._stack] = int(value)
+        self._step.fill_(int(value))
+
+
+class _ParamGroup(dict):
+    """A param group whose ``lr`` is mirrored into the kernels' hyperparameter tensor,
+    so an LR scheduler's ``group["lr"] = x`` reaches the next fused update."""
+
+    def __init__(self, lr_tensor: torch.Tensor, **entries):
+        super().__init__(**entries)
+        self._lr_tensor = lr_tensor
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        if key == "lr":
+            self._lr_tensor[0] = float(value)
 
 
 class FusedOptimizer(KeyedOptimizer):
     """``module.fused_optimizer``: state and learning rate of the fused update."""
 
-    def __init__(self, *, params: dict[str, torch.Tensor], state: dict, lr: float, hyper: dict):
-        super().__init__(params=params, state=state, param_groups=[{"params": list(params.values()), "lr": lr, **hyper}])
+    def __init__(self, *, params: dict[str, torch.Tensor], state: dict, lr_tensor: torch.Tensor, hyper: dict):
+        group = _ParamGroup(lr_tensor, params=list(params.values()), lr=float(lr_tensor[0]), **hyper)
+        super().__init__(params=params, state=state, param_groups=[group])
 
     @property
     def lr(self) -> float:

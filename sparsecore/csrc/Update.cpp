@@ -87,14 +87,20 @@ void step_row(scalar_t* w, const float* g, int64_t dim, int64_t optimizer, const
   }
 }
 
-void backward_update(const at::Tensor& weight, at::TensorList state, const at::Tensor& grad_output,
-                     const at::Tensor& row_pointers, const at::Tensor& embedding_ids,
-                     const at::Tensor& sample_ids, const at::Tensor& gains, int64_t optimizer,
-                     at::ArrayRef<double> hyper, int64_t step) {
+// step: int64 [1], the stack's update count, incremented here (Adam's bias
+// correction). hyper: float64 [lr, eps, beta1, beta2] on the host, so the
+// learning rate can change between steps without a new graph.
+void backward_update(const at::Tensor& weight, at::TensorList state, const at::Tensor& step,
+                     const at::Tensor& grad_output, const at::Tensor& row_pointers,
+                     const at::Tensor& embedding_ids, const at::Tensor& sample_ids,
+                     const at::Tensor& gains, int64_t optimizer, const at::Tensor& hyper) {
   TORCH_CHECK(weight.is_contiguous() && weight.dim() == 2, "backward_update: weight must be a contiguous 2-D table");
-  TORCH_CHECK(hyper.size() == 4, "backward_update: hyper = [lr, eps, beta1, beta2]");
-  const Hyper h{static_cast<float>(hyper[0]), static_cast<float>(hyper[1]), static_cast<float>(hyper[2]),
-                static_cast<float>(hyper[3]), step};
+  TORCH_CHECK(hyper.numel() == 4 && hyper.scalar_type() == at::kDouble, "backward_update: hyper = float64 [lr, eps, beta1, beta2]");
+  TORCH_CHECK(step.numel() == 1 && step.scalar_type() == at::kLong, "backward_update: step must be one int64");
+  const double* hp = hyper.const_data_ptr<double>();
+  int64_t* count = step.mutable_data_ptr<int64_t>();
+  const Hyper h{static_cast<float>(hp[0]), static_cast<float>(hp[1]), static_cast<float>(hp[2]),
+                static_cast<float>(hp[3]), ++count[0]};
   const int64_t n = row_pointers.size(0);
   const int64_t width = embedding_ids.size(1);
   const int64_t dim = weight.size(1);
@@ -165,8 +171,9 @@ void backward_update(const at::Tensor& weight, at::TensorList state, const at::T
 } // namespace
 
 TORCH_LIBRARY_FRAGMENT(sparsecore, m) {
-  m.def("backward_update(Tensor(a!) weight, Tensor(b!)[] state, Tensor grad_output, Tensor row_pointers, "
-        "Tensor embedding_ids, Tensor sample_ids, Tensor gains, int optimizer, float[] hyper, int step) -> ()");
+  m.def("backward_update(Tensor(a!) weight, Tensor(b!)[] state, Tensor(c!) step, Tensor grad_output, "
+        "Tensor row_pointers, Tensor embedding_ids, Tensor sample_ids, Tensor gains, int optimizer, "
+        "Tensor hyper) -> ()");
   m.impl("backward_update", c10::DispatchKey::CPU, TORCH_FN(backward_update));
   m.impl("backward_update", c10::DispatchKey::PrivateUse1, TORCH_FN(backward_update));
 }
