@@ -85,12 +85,11 @@ class SparseCoreCollection(nn.Module):
         self._placeholder = placeholder(self._device)
         # [lr, eps, beta1, beta2] on the host; fused_optimizer keeps lr in step with param_groups.
         self._hyper = torch.tensor(self._optimizer.hyper(self._optimizer.lr), dtype=torch.float64)
-        initial = getattr(self._optimizer, "initial_accumulator_value", 0.0)
         for stack in self._stacks:
             rows = stack.num_sparsecores * stack.rows_per_sparsecore
             self._optimizer_state[stack.name] = {
                 name: torch.full(shape, initial, dtype=torch.float32, device=self._device)
-                for name, shape in self._optimizer.state_shapes(rows, stack.embedding_dim).items()
+                for name, (shape, initial) in self._optimizer.state(rows, stack.embedding_dim).items()
             }
             self._steps[stack.name] = torch.zeros(1, dtype=torch.int64)
         self.fused_optimizer = self._make_fused_optimizer()

@@ -28,11 +28,11 @@ class SGD:
 
     kernel_code = 0
 
-    def state_shapes(self, rows: int, dim: int) -> dict[str, tuple[int, ...]]:
+    def state(self, rows: int, dim: int) -> dict[str, tuple[tuple[int, ...], float]]:
         return {}
 
     def hyper(self, lr: float) -> list[float]:
-        return [lr, 0.0, 0.0, 0.0]
+        return [lr, 0.0, 0.0, 0.0, 0.0, 0.0]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,11 +45,11 @@ class Adagrad:
 
     kernel_code = 1
 
-    def state_shapes(self, rows: int, dim: int) -> dict[str, tuple[int, ...]]:
-        return {"sum": (rows, dim)}
+    def state(self, rows: int, dim: int) -> dict[str, tuple[tuple[int, ...], float]]:
+        return {"sum": ((rows, dim), self.initial_accumulator_value)}
 
     def hyper(self, lr: float) -> list[float]:
-        return [lr, self.eps, 0.0, 0.0]
+        return [lr, self.eps, 0.0, 0.0, 0.0, 0.0]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,11 +61,11 @@ class RowWiseAdagrad:
 
     kernel_code = 2
 
-    def state_shapes(self, rows: int, dim: int) -> dict[str, tuple[int, ...]]:
-        return {"momentum": (rows,)}
+    def state(self, rows: int, dim: int) -> dict[str, tuple[tuple[int, ...], float]]:
+        return {"momentum": ((rows,), 0.0)}
 
     def hyper(self, lr: float) -> list[float]:
-        return [lr, self.eps, 0.0, 0.0]
+        return [lr, self.eps, 0.0, 0.0, 0.0, 0.0]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,14 +78,46 @@ class Adam:
 
     kernel_code = 3
 
-    def state_shapes(self, rows: int, dim: int) -> dict[str, tuple[int, ...]]:
-        return {"exp_avg": (rows, dim), "exp_avg_sq": (rows, dim)}
+    def state(self, rows: int, dim: int) -> dict[str, tuple[tuple[int, ...], float]]:
+        return {"exp_avg": ((rows, dim), 0.0), "exp_avg_sq": ((rows, dim), 0.0)}
 
     def hyper(self, lr: float) -> list[float]:
-        return [lr, self.eps, self.betas[0], self.betas[1]]
+        return [lr, self.eps, self.betas[0], self.betas[1], 0.0, 0.0]
 
 
-Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FTRL:
+    """FTRL-Proximal (McMahan et al.), as TensorFlow's Ftrl and jax-tpu-embedding's FTRL.
+
+    Per element: accum' = accum + g^2; linear += g - (accum'^-p - accum^-p) / lr * w;
+    w = (sign(linear) * l1 - linear) / ((accum'^-p + beta) / lr + 2 * l2) if |linear| > l1 else 0,
+    with p = learning_rate_power.
+    """
+
+    lr: float = 0.01
+    learning_rate_power: float = -0.5
+    l1_regularization_strength: float = 0.0
+    l2_regularization_strength: float = 0.0
+    beta: float = 0.0
+    initial_accumulator_value: float = 0.1
+
+    kernel_code = 4
+
+    def __post_init__(self) -> None:
+        if self.learning_rate_power > 0:
+            raise ConfigError("*", "FTRL.learning_rate_power", self.learning_rate_power, "a value <= 0")
+        if self.initial_accumulator_value <= 0:
+            raise ConfigError("*", "FTRL.initial_accumulator_value", self.initial_accumulator_value, "a positive value")
+
+    def state(self, rows: int, dim: int) -> dict[str, tuple[tuple[int, ...], float]]:
+        return {"accumulator": ((rows, dim), self.initial_accumulator_value), "linear": ((rows, dim), 0.0)}
+
+    def hyper(self, lr: float) -> list[float]:
+        return [lr, self.l1_regularization_strength, self.l2_regularization_strength, self.beta,
+                self.learning_rate_power, 0.0]
+
+
+Optimizer = SGD | Adagrad | RowWiseAdagrad | Adam | FTRL
 
 # torch.optim options whose meaning needs a dense update of every row.
 _DENSE_ONLY = {"momentum", "dampening", "nesterov", "weight_decay", "lr_decay", "amsgrad", "maximize",
@@ -95,7 +127,7 @@ _IGNORED = {"foreach", "fused"}
 
 def from_torch_optim(optimizer: Any) -> Optimizer:
     """Our spec for a spec, or for ``(torch.optim.X, kwargs)``."""
-    if isinstance(optimizer, (SGD, Adagrad, RowWiseAdagrad, Adam)):
+    if isinstance(optimizer, (SGD, Adagrad, RowWiseAdagrad, Adam, FTRL)):
         return optimizer
     if not (isinstance(optimizer, tuple) and len(optimizer) == 2):
         raise ConfigError("*", "optimizer", optimizer, "a sparsecore.optim spec or (torch.optim.SGD|Adagrad|Adam, kwargs)")

@@ -29,11 +29,15 @@ inline void prefetch(const void* p, int64_t bytes) {
   }
 }
 
-enum Optimizer : int64_t { kSGD = 0, kAdagrad = 1, kRowWiseAdagrad = 2, kAdam = 3 };
+enum Optimizer : int64_t { kSGD = 0, kAdagrad = 1, kRowWiseAdagrad = 2, kAdam = 3, kFTRL = 4 };
 
+// The optimizer's numbers, read from a float64 [6] tensor; meaning per optimizer
+// (sparsecore/optim.py): SGD [lr]; Adagrad, RowWiseAdagrad [lr, eps];
+// Adam [lr, eps, beta1, beta2]; FTRL [lr, l1, l2, beta, lr_power].
 struct Hyper {
-  float lr, eps, beta1, beta2;
+  float p[6];
   int64_t step;
+  float lr() const { return p[0]; }
 };
 
 // Sorts (row << 32 | entry) keys by row: LSD radix, 8 bits a pass, only
@@ -54,31 +58,47 @@ void step_row(scalar_t* w, const float* g, int64_t dim, int64_t optimizer, const
               float* s0, float* s1) {
   switch (optimizer) {
     case kSGD:
-      for (int64_t d = 0; d < dim; ++d) w[d] = static_cast<float>(w[d]) - h.lr * g[d];
+      for (int64_t d = 0; d < dim; ++d) w[d] = static_cast<float>(w[d]) - h.lr() * g[d];
       break;
-    case kAdagrad:  // s0: per-element sum of squares
+    case kAdagrad: {  // s0: per-element sum of squares
+      const float eps = h.p[1];
       for (int64_t d = 0; d < dim; ++d) {
         s0[d] += g[d] * g[d];
-        w[d] = static_cast<float>(w[d]) - h.lr * g[d] / (std::sqrt(s0[d]) + h.eps);
+        w[d] = static_cast<float>(w[d]) - h.lr() * g[d] / (std::sqrt(s0[d]) + eps);
       }
       break;
+    }
     case kRowWiseAdagrad: {  // s0: one accumulator for the row
       float mean_sq = 0;
       for (int64_t d = 0; d < dim; ++d) mean_sq += g[d] * g[d];
       s0[0] += mean_sq / static_cast<float>(dim);
-      const float scale = h.lr / (std::sqrt(s0[0]) + h.eps);
+      const float scale = h.lr() / (std::sqrt(s0[0]) + h.p[1]);
       for (int64_t d = 0; d < dim; ++d) w[d] = static_cast<float>(w[d]) - scale * g[d];
       break;
     }
     case kAdam: {  // s0, s1: moments; lazy, as torch.optim.SparseAdam
+      const float eps = h.p[1], beta1 = h.p[2], beta2 = h.p[3];
       const double step = static_cast<double>(h.step);
       const float step_size = static_cast<float>(
-          h.lr * std::sqrt(1 - std::pow(static_cast<double>(h.beta2), step)) /
-          (1 - std::pow(static_cast<double>(h.beta1), step)));
+          h.lr() * std::sqrt(1 - std::pow(static_cast<double>(beta2), step)) /
+          (1 - std::pow(static_cast<double>(beta1), step)));
       for (int64_t d = 0; d < dim; ++d) {
-        s0[d] += (g[d] - s0[d]) * (1 - h.beta1);
-        s1[d] = s1[d] * h.beta2 + (1 - h.beta2) * g[d] * g[d];
-        w[d] = static_cast<float>(w[d]) - step_size * s0[d] / (std::sqrt(s1[d]) + h.eps);
+        s0[d] += (g[d] - s0[d]) * (1 - beta1);
+        s1[d] = s1[d] * beta2 + (1 - beta2) * g[d] * g[d];
+        w[d] = static_cast<float>(w[d]) - step_size * s0[d] / (std::sqrt(s1[d]) + eps);
+      }
+      break;
+    }
+    case kFTRL: {  // s0: accumulator, s1: linear; FTRL-Proximal with beta (TF's ApplyFtrlV2)
+      const float lr = h.lr(), l1 = h.p[1], l2 = h.p[2], beta = h.p[3], power = h.p[4];
+      for (int64_t d = 0; d < dim; ++d) {
+        const float accum = s0[d] + g[d] * g[d];
+        const float sigma = (std::pow(accum, -power) - std::pow(s0[d], -power)) / lr;
+        s1[d] += g[d] - sigma * static_cast<float>(w[d]);
+        s0[d] = accum;
+        const float quadratic = (std::pow(accum, -power) + beta) / lr + 2 * l2;
+        const float linear = s1[d];
+        w[d] = std::abs(linear) > l1 ? (std::copysign(l1, linear) - linear) / quadratic : 0.0f;
       }
       break;
     }
@@ -88,19 +108,20 @@ void step_row(scalar_t* w, const float* g, int64_t dim, int64_t optimizer, const
 }
 
 // step: int64 [1], the stack's update count, incremented here (Adam's bias
-// correction). hyper: float64 [lr, eps, beta1, beta2] on the host, so the
-// learning rate can change between steps without a new graph.
+// correction). hyper: float64 [6] on the host (see Hyper), so the learning
+// rate can change between steps without a new graph.
 void backward_update(const at::Tensor& weight, at::TensorList state, const at::Tensor& step,
                      const at::Tensor& grad_output, const at::Tensor& row_pointers,
                      const at::Tensor& embedding_ids, const at::Tensor& sample_ids,
                      const at::Tensor& gains, int64_t optimizer, const at::Tensor& hyper) {
   TORCH_CHECK(weight.is_contiguous() && weight.dim() == 2, "backward_update: weight must be a contiguous 2-D table");
-  TORCH_CHECK(hyper.numel() == 4 && hyper.scalar_type() == at::kDouble, "backward_update: hyper = float64 [lr, eps, beta1, beta2]");
+  TORCH_CHECK(hyper.numel() == 6 && hyper.scalar_type() == at::kDouble, "backward_update: hyper must be float64 [6]");
   TORCH_CHECK(step.numel() == 1 && step.scalar_type() == at::kLong, "backward_update: step must be one int64");
   const double* hp = hyper.const_data_ptr<double>();
   int64_t* count = step.mutable_data_ptr<int64_t>();
-  const Hyper h{static_cast<float>(hp[0]), static_cast<float>(hp[1]), static_cast<float>(hp[2]),
-                static_cast<float>(hp[3]), ++count[0]};
+  Hyper h{};
+  for (int i = 0; i < 6; ++i) h.p[i] = static_cast<float>(hp[i]);
+  h.step = ++count[0];
   const int64_t n = row_pointers.size(0);
   const int64_t width = embedding_ids.size(1);
   const int64_t dim = weight.size(1);
@@ -117,7 +138,7 @@ void backward_update(const at::Tensor& weight, at::TensorList state, const at::T
   const float* go = grad.const_data_ptr<float>();
   float* s0 = state.size() > 0 ? state[0].mutable_data_ptr<float>() : nullptr;
   float* s1 = state.size() > 1 ? state[1].mutable_data_ptr<float>() : nullptr;
-  const int64_t state_width = state.size() > 0 && state[0].dim() == 1 ? 1 : dim;
+  const int64_t state_width = state.size() > 0 && state[0].dim() == 1 ? 1 : dim;  // row-wise: 1
 
   // Tasks: (owner, bucket of rows); rows of different tasks never meet.
   const int64_t buckets = std::max<int64_t>(1, 2 * at::get_num_threads() / n);

@@ -152,3 +152,27 @@ def test_fused_optimizer_state_round_trips():
         module(kjt).values().sum().backward()
     for key, value in engine.state_dict().items():
         torch.testing.assert_close(other.state_dict()[key], value)
+
+
+def test_ftrl_matches_a_hand_computation():
+    spec = optim.FTRL(lr=0.3, l1_regularization_strength=0.01, l2_regularization_strength=0.02, beta=0.1)
+    reference, engine = train_engine(spec)
+    p = -spec.learning_rate_power
+    state = {n: (torch.full_like(w, spec.initial_accumulator_value), torch.zeros_like(w)) for n, w in reference.named_parameters()}
+    for step in range(STEPS):
+        out = reference(random_kjt(TABLES, 6, seed=step, max_len=6)).values()
+        reference.zero_grad()
+        (out * targets(6, out.shape[1], step)).sum().backward()
+        with torch.no_grad():
+            for name, w in reference.named_parameters():
+                accum, linear = state[name]
+                touched = w.grad.abs().sum(1) > 0
+                g, a, wt = w.grad[touched], accum[touched], w[touched]
+                new_a = a + g * g
+                linear[touched] += g - (new_a.pow(p) - a.pow(p)) / spec.lr * wt
+                accum[touched] = new_a
+                quadratic = (new_a.pow(p) + spec.beta) / spec.lr + 2 * spec.l2_regularization_strength
+                lin = linear[touched]
+                l1 = spec.l1_regularization_strength
+                w[touched] = torch.where(lin.abs() > l1, (torch.sign(lin) * l1 - lin) / quadratic, torch.zeros_like(lin))
+    assert_tables_equal(engine, reference)
