@@ -176,3 +176,27 @@ def test_ftrl_matches_a_hand_computation():
                 l1 = spec.l1_regularization_strength
                 w[touched] = torch.where(lin.abs() > l1, (torch.sign(lin) * l1 - lin) / quadratic, torch.zeros_like(lin))
     assert_tables_equal(engine, reference)
+
+
+def test_rowwise_adagrad_matches_fbgemm_tbe():
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        EmbeddingLocation,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    table = [EmbeddingBagConfig(name="a", num_embeddings=29, embedding_dim=8, feature_names=["f"])]
+    lr, eps = 0.1, 1e-8
+    reference, engine = train_engine(optim.RowWiseAdagrad(lr=lr, eps=eps), tables=table)
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=[(29, 8, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=lr, eps=eps)
+    with torch.no_grad():
+        tbe.split_embedding_weights()[0].copy_(reference.state_dict()["embedding_bags.a.weight"])
+    for step in range(STEPS):
+        kjt = random_kjt(table, 6, seed=step, max_len=6)
+        out = tbe(kjt.values(), kjt.offsets())
+        out.backward(targets(6, 8, step))
+    torch.testing.assert_close(engine.state_dict()["embedding_bags.a.weight"].cpu(),
+                               tbe.split_embedding_weights()[0].detach(), atol=1e-5, rtol=1e-5)
