@@ -154,12 +154,9 @@ def _run_forward(op: OpInfo, dtype: torch.dtype, result: DtypeResult, max_sample
             result.excluded_samples += 1
             continue
         memo: dict[int, Any] = {}
-        try:
-            # Copied before the CPU run: that one may mutate its inputs.
-            tpu_sample = _sample_to_device(op, sample, memo)
-        except Exception as error:  # noqa: BLE001
-            tally.errored += 1
-            tally.first_error = tally.first_error or f"copying the sample to {DEVICE}: {_short(error)}"
+        # Copied before the CPU run: that one may mutate its inputs.
+        tpu_sample = _copy_or_record(op, sample, memo, tally)
+        if tpu_sample is None:
             count += 1
             continue
         moved = _on_device(memo) or _mentions_device(tpu_sample.kwargs) or _mentions_device(tpu_sample.args)
@@ -200,6 +197,16 @@ def _sample_to_device(op: OpInfo, sample: Any, memo: dict[int, Any]) -> Any:
     return out
 
 
+def _copy_or_record(op: OpInfo, sample: Any, memo: dict[int, Any], tally: Any) -> Any:
+    """The sample on the device, or None with the failure counted as an error."""
+    try:
+        return _sample_to_device(op, sample, memo)
+    except Exception as error:  # noqa: BLE001
+        tally.errored += 1
+        tally.first_error = tally.first_error or f"copying the sample to {DEVICE}: {_short(error)}"
+        return None
+
+
 def _on_device(memo: dict[int, Any]) -> bool:
     return any(t.device.type == DEVICE for t in memo.values())
 
@@ -236,11 +243,8 @@ def _run_backward(op: OpInfo, dtype: torch.dtype, result: DtypeResult, max_sampl
         if sample_exclusion_reason(op, sample):
             continue
         memo: dict[int, Any] = {}
-        try:
-            tpu_sample = _sample_to_device(op, sample, memo)
-        except Exception as error:  # noqa: BLE001
-            tally.errored += 1
-            tally.first_error = tally.first_error or f"copying the sample to {DEVICE}: {_short(error)}"
+        tpu_sample = _copy_or_record(op, sample, memo, tally)
+        if tpu_sample is None:
             count += 1
             continue
         try:
