@@ -25,7 +25,7 @@ with bags ``[3, 3, 4]`` and ``[5]``::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -116,16 +116,16 @@ def _truncate(values: torch.Tensor, lengths: torch.Tensor, max_len: int):
     return values[position < max_len], lengths.clamp(max=max_len)
 
 
-def _sequence_entries(stack: StackSpec, kjt: Mapping[str, tuple], batch_size: int, lengths_out: dict):
+def _sequence_entries(stack: StackSpec, kjt: "KjtView", lengths_out: dict):
     """Per-id (owner, local row, bag, receiver, gain) over all features of a sequence stack."""
-    n = stack.num_sparsecores
+    n, batch_size = stack.num_sparsecores, kjt.batch_size
     slice_size = max(-(-batch_size // n), 1)  # samples each SparseCore receives
     owners, rows, bags, receivers = [], [], [], []
     num_bags = 0
     for table in stack.tables:
         placement = stack.placements[table.name]
         for feature in table.feature_names:
-            values, lengths, _ = kjt[feature]
+            values, lengths = kjt.feature(feature)
             if table.max_seq_len is not None:
                 values, lengths = _truncate(values, lengths, table.max_seq_len)
             lengths_out[feature] = lengths
@@ -221,41 +221,36 @@ def _layout(partition, row, bag, gain, n: int):
 _COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
 
 
-def _preprocess_pooled(stack: StackSpec, features, batch_size: int, allow_id_dropping: bool) -> StackBatch:
-    """Pooled stacks: the C++ pass (sparsecore/csrc/Preprocess.cpp)."""
-    values, lengths, weights, rotations, offsets, combiners = [], [], [], [], [], []
-    for table in stack.tables:
-        placement = stack.placements[table.name]
-        for feature in table.feature_names:
-            v, l, w = features[feature]
-            _check_ids(feature, table.name, v, table.num_embeddings)
-            values.append(v)
-            lengths.append(l)
-            weights.append(w)
-            rotations.append(placement.rotation)
-            offsets.append(placement.row_offset)
-            combiners.append(_COMBINERS[table.combiner_name])
-    weighted = any(w is not None for w in weights)
-    weights = torch.cat([torch.ones(v.numel()) if w is None else w for v, w in zip(values, weights)]) if weighted else torch.empty(0)
-    row_pointers, embedding_ids, sample_ids, gains, counts, dropped = torch.ops.sparsecore.preprocess_pooled(
-        torch.cat(values), torch.cat(lengths), weights, rotations, offsets, combiners,
-        stack.num_sparsecores, batch_size, stack.max_ids_per_partition, stack.max_unique_ids_per_partition,
-        allow_id_dropping,
+def _preprocess_pooled(stack: StackSpec, kjt: "KjtView", allow_id_dropping: bool) -> StackBatch:
+    """Pooled stacks: the C++ pass (sparsecore/csrc/Preprocess.cpp), reading the KJT in place."""
+    slots = [(table, feature) for table in stack.tables for feature in table.feature_names]
+    placements = [stack.placements[table.name] for table, _ in slots]
+    (row_pointers, embedding_ids, sample_ids, gains, counts, dropped, bad_slot, bad_id) = torch.ops.sparsecore.preprocess_pooled(
+        kjt.values, kjt.lengths, kjt.weights if kjt.weights is not None else torch.empty(0),
+        [kjt.index[f] for _, f in slots], [t.num_embeddings for t, _ in slots],
+        [p.rotation for p in placements], [p.row_offset for p in placements],
+        [_COMBINERS[t.combiner_name] for t, _ in slots],
+        stack.num_sparsecores, kjt.batch_size, stack.rows_per_sparsecore,
+        stack.max_ids_per_partition, stack.max_unique_ids_per_partition, allow_id_dropping,
     )
+    if bad_slot >= 0:
+        table, feature = slots[bad_slot]
+        raise InputError(f"feature {feature!r} (table {table.name!r}): id {bad_id} is out of range; "
+                         f"expected 0 <= id < {table.num_embeddings}")
     ids, unique = counts[..., 0].flatten(), counts[..., 1].flatten()
     if not allow_id_dropping and (int(ids.max()) > stack.max_ids_per_partition or int(unique.max()) > stack.max_unique_ids_per_partition):
         raise _limit_error(stack, ids, unique)
     stats = PartitionStats(max_ids_per_partition=int(ids.max()), max_unique_ids_per_partition=int(unique.max()), dropped_ids=dropped)
     return StackBatch(row_pointers=row_pointers, embedding_ids=embedding_ids, sample_ids=sample_ids, gains=gains,
-                      num_bags=len(values) * batch_size, stats=stats)
+                      num_bags=len(slots) * kjt.batch_size, stats=stats)
 
 
-def _preprocess_stack(stack: StackSpec, features, batch_size: int, allow_id_dropping: bool, lengths_out: dict) -> StackBatch:
+def _preprocess_stack(stack: StackSpec, kjt: "KjtView", allow_id_dropping: bool, lengths_out: dict) -> StackBatch:
     if stack.is_pooled:
-        return _preprocess_pooled(stack, features, batch_size, allow_id_dropping)
+        return _preprocess_pooled(stack, kjt, allow_id_dropping)
     # Sequence stacks: every id is its own bag, so there is nothing to merge.
     n = stack.num_sparsecores
-    owner, row, bag, receiver, gain, num_bags = _sequence_entries(stack, features, batch_size, lengths_out)
+    owner, row, bag, receiver, gain, num_bags = _sequence_entries(stack, kjt, lengths_out)
     partition = receiver * n + owner
     order = torch.argsort(partition * (stack.rows_per_sparsecore + 1) + row, stable=True)
     partition, row, bag, gain = partition[order], row[order], bag[order], gain[order]
@@ -267,39 +262,53 @@ def _preprocess_stack(stack: StackSpec, features, batch_size: int, allow_id_drop
                       gains=gains, num_bags=num_bags, stats=stats)
 
 
-def _split_kjt(kjt: KeyedJaggedTensor, stacks: Sequence[StackSpec]) -> tuple[dict[str, tuple], int]:
+@dataclasses.dataclass(frozen=True)
+class KjtView:
+    """A KJT's tensors on the host, checked: values, lengths (features x batch), weights."""
+
+    values: torch.Tensor
+    lengths: torch.Tensor
+    weights: torch.Tensor | None
+    index: dict[str, int]
+    batch_size: int
+
+    def feature(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values, lengths) of one feature."""
+        i = self.index[key]
+        per_key = self.lengths.sum(1)
+        start = int(per_key[:i].sum())
+        return self.values[start:start + int(per_key[i])].long(), self.lengths[i]
+
+
+def _view_kjt(kjt: KeyedJaggedTensor, stacks: Sequence[StackSpec]) -> KjtView:
     known = _feature_tables(stacks)
-    unknown = [k for k in kjt.keys() if k not in known]
+    keys = kjt.keys()
+    unknown = [k for k in keys if k not in known]
     if unknown:
         raise InputError(f"unknown feature key(s) {unknown}; the tables serve {sorted(known)}")
-    missing = [f for f in known if f not in kjt.keys()]
+    missing = [f for f in known if f not in keys]
     if missing:
         raise InputError(f"the batch lacks feature(s) {missing} that the tables expect")
-    if kjt.values().is_floating_point() or kjt.values().is_complex():
-        raise InputError(f"ids must be integers, got {kjt.values().dtype}")
+    values = kjt.values()
+    if values.dtype not in (torch.int64, torch.int32):
+        raise InputError(f"ids must be int64 or int32, got {values.dtype}")
     batch_size = kjt.stride()
-    keys = kjt.keys()
-    lengths_all = kjt.lengths().long().cpu()
-    if lengths_all.numel() != len(keys) * batch_size:
-        raise InputError(f"{lengths_all.numel()} lengths for {len(keys)} features x batch {batch_size}")
-    lengths_all = lengths_all.view(len(keys), batch_size)
-    if (lengths_all < 0).any():
+    lengths = kjt.lengths().cpu()
+    if lengths.numel() != len(keys) * batch_size:
+        raise InputError(f"{lengths.numel()} lengths for {len(keys)} features x batch {batch_size}")
+    lengths = lengths.long().view(len(keys), batch_size)
+    if (lengths < 0).any():
         raise InputError("lengths must be non-negative")
-    values_all = kjt.values().long().cpu()
-    per_key = lengths_all.sum(1).tolist()
-    if sum(per_key) != values_all.numel():
-        raise InputError(f"lengths sum to {sum(per_key)} but there are {values_all.numel()} ids")
-    weights_all = kjt.weights_or_none()
-    weight_parts = [None] * len(keys) if weights_all is None else weights_all.float().cpu().split(per_key)
-    out = {}
-    for key, lengths, values, weights in zip(keys, lengths_all, values_all.split(per_key), weight_parts):
-        out[key] = (values, lengths, weights)
-    return out, batch_size
+    if int(lengths.sum()) != values.numel():
+        raise InputError(f"lengths sum to {int(lengths.sum())} but there are {values.numel()} ids")
+    weights = kjt.weights_or_none()
+    return KjtView(values=values.cpu(), lengths=lengths, weights=None if weights is None else weights.float().cpu(),
+                   index={k: i for i, k in enumerate(keys)}, batch_size=batch_size)
 
 
 def preprocess_stacks(kjt: KeyedJaggedTensor, stacks: Sequence[StackSpec], *, allow_id_dropping: bool = False) -> PreprocessedBatch:
     """KJT -> COO buffers for every stack. Validates everything before building anything."""
-    features, batch_size = _split_kjt(kjt, stacks)
+    view = _view_kjt(kjt, stacks)
     lengths: dict[str, torch.Tensor] = {}
-    built = {s.name: _preprocess_stack(s, features, batch_size, allow_id_dropping, lengths) for s in stacks}
-    return PreprocessedBatch(batch_size=batch_size, stacks=built, lengths=lengths)
+    built = {s.name: _preprocess_stack(s, view, allow_id_dropping, lengths) for s in stacks}
+    return PreprocessedBatch(batch_size=view.batch_size, stacks=built, lengths=lengths)

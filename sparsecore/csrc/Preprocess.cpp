@@ -1,7 +1,13 @@
 // Host preprocessing of a pooled stack into per-SparseCore CSR-wrapped COO
-// buffers (the layout is described in sparsecore/preprocess.py). One pass per
-// receiving SparseCore, in parallel: a receiver's samples only ever land in
-// its own partitions, so no two threads touch the same output.
+// buffers (the layout is described in sparsecore/preprocess.py), read straight
+// from the KJT's tensors.
+//
+// Pass 1, parallel over chunks of bags: validate ids, map them to (owner,
+// row), merge duplicates within each bag, stage the entries and count them per
+// partition. Pass 2, parallel over chunks: with the counts, every chunk knows
+// where its entries go inside each partition (chunk order keeps every
+// partition in bag order, which the lookup relies on) and writes them there.
+// Distinct rows per partition are counted with a bitmap over the rows.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -23,79 +29,11 @@ constexpr int64_t kAlignment = 8;
 
 enum Combiner : int64_t { kSum = 0, kMean = 1, kSqrtn = 2 };
 
-struct Entry {
-  int32_t row;     // local row on the owner
-  int32_t bag;     // output row
-  float gain;
-};
-
 struct Id {
   int32_t owner;
   int32_t row;
   float gain;
 };
-
-// Distinct rows of one partition, counted with an open-addressing set.
-class RowSet {
- public:
-  explicit RowSet(size_t expected) {
-    size_t cap = 16;
-    while (cap < expected * 2) cap <<= 1;
-    slots_.assign(cap, -1);
-    mask_ = cap - 1;
-  }
-  bool contains(int32_t row) const { return slots_[find(row)] == row; }
-  void insert(int32_t row) {
-    auto& slot = slots_[find(row)];
-    if (slot != row) {
-      slot = row;
-      ++size_;
-    }
-  }
-  size_t size() const { return size_; }
-
- private:
-  size_t find(int32_t row) const {
-    size_t h = (static_cast<uint32_t>(row) * 2654435761u) & mask_;
-    while (slots_[h] != -1 && slots_[h] != row) h = (h + 1) & mask_;
-    return h;
-  }
-  std::vector<int32_t> slots_;
-  size_t mask_ = 0;
-  size_t size_ = 0;
-};
-
-struct Partition {
-  std::vector<Entry> entries;
-  int64_t observed_ids = 0;
-  int64_t observed_unique = 0;
-  int64_t dropped = 0;
-};
-
-// Applies the limits to one partition: counts what it needed, and with
-// dropping keeps entries in order while they fit.
-void limit(Partition& p, int64_t max_ids, int64_t max_unique, bool allow_drop) {
-  RowSet all(p.entries.size());
-  for (const auto& e : p.entries) all.insert(e.row);
-  p.observed_ids = static_cast<int64_t>(p.entries.size());
-  p.observed_unique = static_cast<int64_t>(all.size());
-  if (!allow_drop || (p.observed_ids <= max_ids && p.observed_unique <= max_unique)) {
-    return;
-  }
-  RowSet kept(std::min<size_t>(p.entries.size(), static_cast<size_t>(max_unique)));
-  std::vector<Entry> out;
-  out.reserve(std::min<size_t>(p.entries.size(), static_cast<size_t>(max_ids)));
-  for (const auto& e : p.entries) {
-    if (static_cast<int64_t>(out.size()) >= max_ids) break;
-    if (!kept.contains(e.row)) {
-      if (static_cast<int64_t>(kept.size()) >= max_unique) continue;
-      kept.insert(e.row);
-    }
-    out.push_back(e);
-  }
-  p.dropped = p.observed_ids - static_cast<int64_t>(out.size());
-  p.entries = std::move(out);
-}
 
 // id -> (owner, row) under mod sharding; shifts and masks when n is a power
 // of two (the common case), since a division per id costs more than the rest.
@@ -145,129 +83,265 @@ void bag_gains(const float* weights, int64_t begin, int64_t length, int64_t comb
   for (auto& g : out) g *= scale;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> preprocess_pooled(
-    const at::Tensor& values, const at::Tensor& lengths, const at::Tensor& weights,
-    at::IntArrayRef rotations, at::IntArrayRef row_offsets, at::IntArrayRef combiners,
-    int64_t num_sparsecores, int64_t batch_size, int64_t max_ids, int64_t max_unique,
-    bool allow_drop) {
-  TORCH_CHECK(values.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong,
-              "preprocess_pooled: values and lengths must be int64");
-  const int64_t n = num_sparsecores;
-  const int64_t num_features = static_cast<int64_t>(rotations.size());
-  TORCH_CHECK(lengths.numel() == num_features * batch_size, "preprocess_pooled: lengths must be features x batch");
-  const auto v = values.contiguous();
-  const auto l = lengths.contiguous();
-  const auto w = weights.defined() && weights.numel() ? weights.contiguous().to(at::kFloat) : at::Tensor();
-  const int64_t* ids = v.const_data_ptr<int64_t>();
-  const int64_t* lens = l.const_data_ptr<int64_t>();
-  const float* wts = w.defined() ? w.const_data_ptr<float>() : nullptr;
+// One merged (row, bag) of a partition, as pass 1 stages it.
+struct Staged {
+  int32_t partition;
+  int32_t row;
+  int32_t bag;
+  float gain;
+};
 
-  // Start of every bag in values (feature-major, like a KJT).
-  std::vector<int64_t> starts(num_features * batch_size + 1, 0);
-  for (int64_t i = 0; i < num_features * batch_size; ++i) starts[i + 1] = starts[i] + lens[i];
-  TORCH_CHECK(starts.back() == v.numel(), "preprocess_pooled: lengths sum to ", starts.back(),
-              " but there are ", v.numel(), " ids");
+// A partition's entries after the limits, for the (rare) dropping path.
+struct Entry {
+  int32_t row;
+  int32_t bag;
+  float gain;
+};
 
-  const int64_t slice = std::max<int64_t>((batch_size + n - 1) / n, 1);
-  const int64_t num_bags = num_features * batch_size;
-  const ShardMap shard(n);
-  // Bags are processed in chunks, in parallel; each chunk keeps its own
-  // per-partition lists, joined in chunk order so every partition stays in
-  // bag order (the lookup relies on it).
-  const int64_t num_chunks = std::max<int64_t>(1, std::min<int64_t>(num_bags / 512, 4 * at::get_num_threads()));
-  std::vector<std::vector<std::vector<Entry>>> chunk_parts(num_chunks, std::vector<std::vector<Entry>>(n * n));
-  at::parallel_for(0, num_chunks, 1, [&](int64_t first_chunk, int64_t last_chunk) {
-    std::vector<Id> bag;
-    std::vector<float> gains;
-    for (int64_t c = first_chunk; c < last_chunk; ++c) {
-      auto& parts = chunk_parts[c];
-      const int64_t k_begin = num_bags * c / num_chunks, k_end = num_bags * (c + 1) / num_chunks;
-      for (int64_t k = k_begin; k < k_end; ++k) {
-        const int64_t begin = starts[k], length = starts[k + 1] - begin;
-        if (length == 0) continue;
-        const int64_t f = k / batch_size, s = (k % batch_size) / slice;
-        bag_gains(wts, begin, length, combiners[f], gains);
-        bag.resize(length);
-        for (int64_t i = 0; i < length; ++i) {
-          const int64_t shifted = ids[begin + i] + rotations[f];
-          bag[i] = {static_cast<int32_t>(shard.owner(shifted)),
-                    static_cast<int32_t>(row_offsets[f] + shard.row(shifted)), gains[i]};
-        }
-        sort_bag(bag);
-        // Merge duplicates within the bag: equal (owner, row) are adjacent.
-        for (size_t i = 0; i < bag.size();) {
-          Id merged = bag[i];
-          size_t j = i + 1;
-          for (; j < bag.size() && bag[j].owner == merged.owner && bag[j].row == merged.row; ++j) {
-            merged.gain += bag[j].gain;
-          }
-          parts[s * n + merged.owner].push_back({merged.row, static_cast<int32_t>(k), merged.gain});
-          i = j;
-        }
-      }
+// Distinct rows of one partition: a bitmap over the SparseCore's rows, reused
+// across partitions by clearing exactly the bits that were set.
+class DistinctRows {
+ public:
+  explicit DistinctRows(int64_t rows) : bits_((rows + 63) / 64, 0) {}
+  int64_t count(const int32_t* rows, int64_t n) {
+    int64_t distinct = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      uint64_t& word = bits_[rows[i] >> 6];
+      const uint64_t bit = uint64_t{1} << (rows[i] & 63);
+      distinct += (word & bit) == 0;
+      word |= bit;
     }
-  });
-  std::vector<Partition> partitions(n * n);
-  at::parallel_for(0, n * n, 1, [&](int64_t first, int64_t last) {
-    for (int64_t p = first; p < last; ++p) {
-      size_t total = 0;
-      for (const auto& parts : chunk_parts) total += parts[p].size();
-      auto& entries = partitions[p].entries;
-      entries.reserve(total);
-      for (auto& parts : chunk_parts) {
-        entries.insert(entries.end(), parts[p].begin(), parts[p].end());
-        std::vector<Entry>().swap(parts[p]);
-      }
-      limit(partitions[p], max_ids, max_unique, allow_drop);
-    }
-  });
+    for (int64_t i = 0; i < n; ++i) bits_[rows[i] >> 6] = 0;
+    return distinct;
+  }
+  bool test_and_set(int32_t row) {
+    uint64_t& word = bits_[row >> 6];
+    const uint64_t bit = uint64_t{1} << (row & 63);
+    const bool was = (word & bit) != 0;
+    word |= bit;
+    return was;
+  }
+  void clear(int32_t row) { bits_[row >> 6] = 0; }
 
-  // Layout: each owner group of a receiver starts at a multiple of 8.
-  auto row_pointers = at::empty({n, n}, at::kInt);
-  auto* rp = row_pointers.mutable_data_ptr<int32_t>();
-  std::vector<int64_t> group_start(n * n);
+ private:
+  std::vector<uint64_t> bits_;
+};
+
+struct Buffers {
+  at::Tensor row_pointers, embedding_ids, sample_ids, gains;
+};
+
+// Group starts (each owner group of a receiver at a multiple of 8) and the
+// zero-padded buffers for the given partition sizes.
+Buffers allocate(const std::vector<int64_t>& totals, int64_t n, std::vector<int64_t>& group_start) {
+  Buffers out;
+  out.row_pointers = at::empty({n, n}, at::kInt);
+  auto* rp = out.row_pointers.mutable_data_ptr<int32_t>();
+  group_start.assign(n * n, 0);
   int64_t width = 0;
   for (int64_t s = 0; s < n; ++s) {
     int64_t offset = 0;
     for (int64_t o = 0; o < n; ++o) {
       group_start[s * n + o] = offset;
-      const int64_t count = static_cast<int64_t>(partitions[s * n + o].entries.size());
-      rp[s * n + o] = static_cast<int32_t>(offset + count);
-      offset += (count + kAlignment - 1) / kAlignment * kAlignment;
+      rp[s * n + o] = static_cast<int32_t>(offset + totals[s * n + o]);
+      offset += (totals[s * n + o] + kAlignment - 1) / kAlignment * kAlignment;
     }
     width = std::max(width, offset);
   }
-  auto embedding_ids = at::zeros({n, width}, at::kInt);
-  auto sample_ids = at::full({n, width}, -1, at::kInt);
-  auto gains = at::zeros({n, width}, at::kFloat);
-  auto* eid = embedding_ids.mutable_data_ptr<int32_t>();
-  auto* sid = sample_ids.mutable_data_ptr<int32_t>();
-  auto* gn = gains.mutable_data_ptr<float>();
-  auto counts = at::zeros({n, n, 2}, at::kLong);  // per partition: ids, distinct rows
-  auto* ct = counts.mutable_data_ptr<int64_t>();
-  int64_t dropped = 0;
-  for (int64_t p = 0; p < n * n; ++p) {
-    const auto& part = partitions[p];
-    const int64_t base = (p / n) * width + group_start[p];
-    for (size_t i = 0; i < part.entries.size(); ++i) {
-      eid[base + i] = part.entries[i].row;
-      sid[base + i] = part.entries[i].bag;
-      gn[base + i] = part.entries[i].gain;
+  for (int64_t p = 0; p < n * n; ++p) group_start[p] += (p / n) * width;  // flat offsets
+  out.embedding_ids = at::zeros({n, width}, at::kInt);
+  out.sample_ids = at::full({n, width}, -1, at::kInt);
+  out.gains = at::zeros({n, width}, at::kFloat);
+  return out;
+}
+
+template <typename index_t>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, int64_t> preprocess_impl(
+    const at::Tensor& values, const at::Tensor& lengths, const at::Tensor& weights, at::IntArrayRef features,
+    at::IntArrayRef num_embeddings, at::IntArrayRef rotations, at::IntArrayRef row_offsets,
+    at::IntArrayRef combiners, int64_t n, int64_t batch_size, int64_t rows_per_sc, int64_t max_ids,
+    int64_t max_unique, bool allow_drop) {
+  const auto v = values.contiguous();
+  const auto l = lengths.contiguous().to(at::kLong);
+  const auto w = weights.defined() && weights.numel() ? weights.contiguous().to(at::kFloat) : at::Tensor();
+  const index_t* ids = v.const_data_ptr<index_t>();
+  const int64_t* lens = l.const_data_ptr<int64_t>();
+  const float* wts = w.defined() ? w.const_data_ptr<float>() : nullptr;
+  const int64_t slots = static_cast<int64_t>(features.size());
+
+  // Start of every bag of the whole KJT (feature-major).
+  std::vector<int64_t> starts(l.numel() + 1, 0);
+  for (int64_t i = 0; i < l.numel(); ++i) starts[i + 1] = starts[i] + lens[i];
+  TORCH_CHECK(starts.back() == v.numel(), "preprocess_pooled: lengths sum to ", starts.back(),
+              " but there are ", v.numel(), " ids");
+
+  // Pass 1, parallel over chunks of the stack's bags (slot-major: bag = slot * B + b):
+  // validate, map to (owner, row), merge within the bag, stage with counts.
+  const int64_t slice = std::max<int64_t>((batch_size + n - 1) / n, 1);
+  const int64_t num_bags = slots * batch_size;
+  const ShardMap shard(n);
+  const int64_t num_chunks = std::max<int64_t>(1, std::min<int64_t>(num_bags / 256, 8 * at::get_num_threads()));
+  std::vector<std::vector<Staged>> staged(num_chunks);
+  std::vector<int64_t> counts(num_chunks * n * n, 0);
+  std::vector<int64_t> bad(num_chunks * 2, -1);
+  at::parallel_for(0, num_chunks, 1, [&](int64_t first_chunk, int64_t last_chunk) {
+    std::vector<Id> bag;
+    std::vector<float> gains;
+    for (int64_t c = first_chunk; c < last_chunk; ++c) {
+      auto& out = staged[c];
+      int64_t* count = counts.data() + c * n * n;
+      const int64_t k_begin = num_bags * c / num_chunks, k_end = num_bags * (c + 1) / num_chunks;
+      for (int64_t k = k_begin; k < k_end && bad[2 * c] < 0; ++k) {
+        const int64_t j = k / batch_size, b = k % batch_size;
+        const int64_t bag_index = features[j] * batch_size + b;
+        const int64_t begin = starts[bag_index], length = starts[bag_index + 1] - begin;
+        if (length == 0) continue;
+        const int64_t s = b / slice;
+        bag_gains(wts, begin, length, combiners[j], gains);
+        bag.resize(length);
+        for (int64_t i = 0; i < length; ++i) {
+          const int64_t id = static_cast<int64_t>(ids[begin + i]);
+          if (id < 0 || id >= num_embeddings[j]) {
+            bad[2 * c] = j;
+            bad[2 * c + 1] = id;
+            break;
+          }
+          const int64_t shifted = id + rotations[j];
+          bag[i] = {static_cast<int32_t>(shard.owner(shifted)),
+                    static_cast<int32_t>(row_offsets[j] + shard.row(shifted)), gains[i]};
+        }
+        if (bad[2 * c] >= 0) break;
+        sort_bag(bag);
+        for (size_t i = 0; i < bag.size();) {
+          Id merged = bag[i];
+          size_t m = i + 1;
+          for (; m < bag.size() && bag[m].owner == merged.owner && bag[m].row == merged.row; ++m) {
+            merged.gain += bag[m].gain;
+          }
+          const int32_t p = static_cast<int32_t>(s * n + merged.owner);
+          out.push_back({p, merged.row, static_cast<int32_t>(k), merged.gain});
+          ++count[p];
+          i = m;
+        }
+      }
     }
-    ct[2 * p] = part.observed_ids;
-    ct[2 * p + 1] = part.observed_unique;
-    dropped += part.dropped;
+  });
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    if (bad[2 * c] >= 0) {
+      return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), 0, bad[2 * c], bad[2 * c + 1]};
+    }
   }
-  return {row_pointers, embedding_ids, sample_ids, gains, counts, dropped};
+
+  // Pass 2: place every chunk's entries at its own offsets inside each
+  // partition (chunk order keeps bag order), in parallel over chunks.
+  std::vector<int64_t> totals(n * n, 0);
+  for (int64_t c = 0; c < num_chunks; ++c)
+    for (int64_t p = 0; p < n * n; ++p) totals[p] += counts[c * n * n + p];
+  std::vector<int64_t> group_start;
+  Buffers buf = allocate(totals, n, group_start);
+  int32_t* eid = buf.embedding_ids.mutable_data_ptr<int32_t>();
+  int32_t* sid = buf.sample_ids.mutable_data_ptr<int32_t>();
+  float* gn = buf.gains.mutable_data_ptr<float>();
+  std::vector<int64_t> cursor(num_chunks * n * n);
+  for (int64_t p = 0; p < n * n; ++p) {
+    int64_t offset = group_start[p];
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      cursor[c * n * n + p] = offset;
+      offset += counts[c * n * n + p];
+    }
+  }
+  at::parallel_for(0, num_chunks, 1, [&](int64_t first_chunk, int64_t last_chunk) {
+    for (int64_t c = first_chunk; c < last_chunk; ++c) {
+      int64_t* at = cursor.data() + c * n * n;
+      for (const auto& e : staged[c]) {
+        const int64_t i = at[e.partition]++;
+        eid[i] = e.row;
+        sid[i] = e.bag;
+        gn[i] = e.gain;
+      }
+      std::vector<Staged>().swap(staged[c]);
+    }
+  });
+
+  // What each partition needed: ids and distinct rows.
+  auto part_counts = at::zeros({n, n, 2}, at::kLong);
+  int64_t* pc = part_counts.mutable_data_ptr<int64_t>();
+  at::parallel_for(0, n * n, 1, [&](int64_t first, int64_t last) {
+    DistinctRows distinct(rows_per_sc);
+    for (int64_t p = first; p < last; ++p) {
+      pc[2 * p] = totals[p];
+      pc[2 * p + 1] = distinct.count(eid + group_start[p], totals[p]);
+    }
+  });
+  bool over = false;
+  for (int64_t p = 0; p < n * n; ++p) over |= pc[2 * p] > max_ids || pc[2 * p + 1] > max_unique;
+  if (!over || !allow_drop) {
+    return {buf.row_pointers, buf.embedding_ids, buf.sample_ids, buf.gains, part_counts, 0, -1, 0};
+  }
+
+  // Dropping (rare): keep each partition's entries in order while they fit, then lay out again.
+  std::vector<std::vector<Entry>> kept(n * n);
+  int64_t dropped = 0;
+  DistinctRows seen(rows_per_sc);
+  for (int64_t p = 0; p < n * n; ++p) {
+    int64_t distinct = 0;
+    for (int64_t i = group_start[p]; i < group_start[p] + totals[p]; ++i) {
+      if (static_cast<int64_t>(kept[p].size()) >= max_ids) break;
+      if (!seen.test_and_set(eid[i])) {
+        if (distinct >= max_unique) {
+          seen.clear(eid[i]);
+          continue;
+        }
+        ++distinct;
+      }
+      kept[p].push_back({eid[i], sid[i], gn[i]});
+    }
+    for (const auto& e : kept[p]) seen.clear(e.row);
+    dropped += totals[p] - static_cast<int64_t>(kept[p].size());
+    totals[p] = static_cast<int64_t>(kept[p].size());
+  }
+  Buffers out = allocate(totals, n, group_start);
+  int32_t* oe = out.embedding_ids.mutable_data_ptr<int32_t>();
+  int32_t* os = out.sample_ids.mutable_data_ptr<int32_t>();
+  float* og = out.gains.mutable_data_ptr<float>();
+  for (int64_t p = 0; p < n * n; ++p) {
+    for (size_t i = 0; i < kept[p].size(); ++i) {
+      oe[group_start[p] + i] = kept[p][i].row;
+      os[group_start[p] + i] = kept[p][i].bag;
+      og[group_start[p] + i] = kept[p][i].gain;
+    }
+  }
+  return {out.row_pointers, out.embedding_ids, out.sample_ids, out.gains, part_counts, dropped, -1, 0};
+}
+
+// Returns the COO buffers, per-partition (ids, distinct rows) counts, the
+// number of dropped ids, and (slot, id) of the first out-of-range id (slot
+// -1 when all are valid; nothing else is built then).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, int64_t> preprocess_pooled(
+    const at::Tensor& values, const at::Tensor& lengths, const at::Tensor& weights, at::IntArrayRef features,
+    at::IntArrayRef num_embeddings, at::IntArrayRef rotations, at::IntArrayRef row_offsets,
+    at::IntArrayRef combiners, int64_t num_sparsecores, int64_t batch_size, int64_t rows_per_sparsecore,
+    int64_t max_ids, int64_t max_unique, bool allow_drop) {
+  TORCH_CHECK(values.scalar_type() == at::kLong || values.scalar_type() == at::kInt,
+              "preprocess_pooled: ids must be int64 or int32, got ", values.scalar_type());
+  if (values.scalar_type() == at::kLong) {
+    return preprocess_impl<int64_t>(values, lengths, weights, features, num_embeddings, rotations, row_offsets,
+                                    combiners, num_sparsecores, batch_size, rows_per_sparsecore, max_ids,
+                                    max_unique, allow_drop);
+  }
+  return preprocess_impl<int32_t>(values, lengths, weights, features, num_embeddings, rotations, row_offsets,
+                                  combiners, num_sparsecores, batch_size, rows_per_sparsecore, max_ids,
+                                  max_unique, allow_drop);
 }
 
 } // namespace
 
 TORCH_LIBRARY_FRAGMENT(sparsecore, m) {
   m.def(
-      "preprocess_pooled(Tensor values, Tensor lengths, Tensor weights, int[] rotations, "
-      "int[] row_offsets, int[] combiners, int num_sparsecores, int batch_size, int max_ids, "
-      "int max_unique, bool allow_drop) -> (Tensor, Tensor, Tensor, Tensor, Tensor, int)");
+      "preprocess_pooled(Tensor values, Tensor lengths, Tensor weights, int[] features, "
+      "int[] num_embeddings, int[] rotations, int[] row_offsets, int[] combiners, int num_sparsecores, "
+      "int batch_size, int rows_per_sparsecore, int max_ids, int max_unique, bool allow_drop) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, int, int, int)");
   m.impl("preprocess_pooled", c10::DispatchKey::CPU, TORCH_FN(preprocess_pooled));
 }
 

@@ -135,7 +135,7 @@ def test_missing_feature_and_float_ids_are_refused():
     with pytest.raises(InputError, match="lacks feature"):
         preprocess_stacks(kjt({"a": [[1]]}), stacks)
     bad = KeyedJaggedTensor.from_lengths_sync(keys=["a", "b"], values=torch.tensor([1.0, 2.0]), lengths=torch.tensor([1, 1]))
-    with pytest.raises(InputError, match="ids must be integers"):
+    with pytest.raises(InputError, match="ids must be int64 or int32"):
         preprocess_stacks(bad, stacks)
 
 
