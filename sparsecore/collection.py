@@ -184,7 +184,8 @@ class SparseCoreCollection(nn.Module):
     # ---- lookups ----
 
     def preprocess(self, features: KeyedJaggedTensor) -> PreprocessedBatch:
-        return preprocess_stacks(features, self._stacks, allow_id_dropping=self._allow_id_dropping)
+        device = self._device if self._device.type != "meta" else torch.device("cpu")
+        return preprocess_stacks(features, self._stacks, allow_id_dropping=self._allow_id_dropping, device=device)
 
     def _lookup(self, stack: StackSpec, coo: StackBatch) -> torch.Tensor:
         """(bags, dim) rows of one stack; trains the stack in the backward if there is an optimizer."""

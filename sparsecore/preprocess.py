@@ -221,7 +221,7 @@ def _layout(partition, row, bag, gain, n: int):
 _COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
 
 
-def _preprocess_pooled(stack: StackSpec, kjt: "KjtView", allow_id_dropping: bool) -> StackBatch:
+def _preprocess_pooled(stack: StackSpec, kjt: "KjtView", allow_id_dropping: bool, device: torch.device) -> StackBatch:
     """Pooled stacks: the C++ pass (sparsecore/csrc/Preprocess.cpp), reading the KJT in place."""
     slots = [(table, feature) for table in stack.tables for feature in table.feature_names]
     placements = [stack.placements[table.name] for table, _ in slots]
@@ -231,7 +231,7 @@ def _preprocess_pooled(stack: StackSpec, kjt: "KjtView", allow_id_dropping: bool
         [p.rotation for p in placements], [p.row_offset for p in placements],
         [_COMBINERS[t.combiner_name] for t, _ in slots],
         stack.num_sparsecores, kjt.batch_size, stack.rows_per_sparsecore,
-        stack.max_ids_per_partition, stack.max_unique_ids_per_partition, allow_id_dropping,
+        stack.max_ids_per_partition, stack.max_unique_ids_per_partition, allow_id_dropping, device,
     )
     if bad_slot >= 0:
         table, feature = slots[bad_slot]
@@ -245,9 +245,10 @@ def _preprocess_pooled(stack: StackSpec, kjt: "KjtView", allow_id_dropping: bool
                       num_bags=len(slots) * kjt.batch_size, stats=stats)
 
 
-def _preprocess_stack(stack: StackSpec, kjt: "KjtView", allow_id_dropping: bool, lengths_out: dict) -> StackBatch:
+def _preprocess_stack(stack: StackSpec, kjt: "KjtView", allow_id_dropping: bool, lengths_out: dict,
+                      device: torch.device) -> StackBatch:
     if stack.is_pooled:
-        return _preprocess_pooled(stack, kjt, allow_id_dropping)
+        return _preprocess_pooled(stack, kjt, allow_id_dropping, device)
     # Sequence stacks: every id is its own bag, so there is nothing to merge.
     n = stack.num_sparsecores
     owner, row, bag, receiver, gain, num_bags = _sequence_entries(stack, kjt, lengths_out)
@@ -306,9 +307,12 @@ def _view_kjt(kjt: KeyedJaggedTensor, stacks: Sequence[StackSpec]) -> KjtView:
                    index={k: i for i, k in enumerate(keys)}, batch_size=batch_size)
 
 
-def preprocess_stacks(kjt: KeyedJaggedTensor, stacks: Sequence[StackSpec], *, allow_id_dropping: bool = False) -> PreprocessedBatch:
-    """KJT -> COO buffers for every stack. Validates everything before building anything."""
+def preprocess_stacks(
+    kjt: KeyedJaggedTensor, stacks: Sequence[StackSpec], *, allow_id_dropping: bool = False,
+    device: torch.device | str = "cpu",
+) -> PreprocessedBatch:
+    """KJT -> COO buffers for every stack (pooled stacks' buffers on ``device``, as a TPU's infeed)."""
     view = _view_kjt(kjt, stacks)
     lengths: dict[str, torch.Tensor] = {}
-    built = {s.name: _preprocess_stack(s, view, allow_id_dropping, lengths) for s in stacks}
+    built = {s.name: _preprocess_stack(s, view, allow_id_dropping, lengths, torch.device(device)) for s in stacks}
     return PreprocessedBatch(batch_size=view.batch_size, stacks=built, lengths=lengths)

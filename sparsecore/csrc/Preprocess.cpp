@@ -51,17 +51,21 @@ class ShardMap {
   int shift_ = 0;
 };
 
-// Bags are short: insertion sort by (owner, row) beats std::sort there.
+// Bags are short: insertion sort on packed (owner, row) keys beats std::sort there.
+inline uint64_t key_of(const Id& x) {
+  return static_cast<uint64_t>(static_cast<uint32_t>(x.owner)) << 32 | static_cast<uint32_t>(x.row);
+}
+
 void sort_bag(std::vector<Id>& bag) {
-  auto less = [](const Id& a, const Id& b) { return a.owner != b.owner ? a.owner < b.owner : a.row < b.row; };
   if (bag.size() > 32) {
-    std::sort(bag.begin(), bag.end(), less);
+    std::sort(bag.begin(), bag.end(), [](const Id& a, const Id& b) { return key_of(a) < key_of(b); });
     return;
   }
   for (size_t i = 1; i < bag.size(); ++i) {
-    Id x = bag[i];
+    const Id x = bag[i];
+    const uint64_t k = key_of(x);
     size_t j = i;
-    for (; j > 0 && less(x, bag[j - 1]); --j) bag[j] = bag[j - 1];
+    for (; j > 0 && k < key_of(bag[j - 1]); --j) bag[j] = bag[j - 1];
     bag[j] = x;
   }
 }
@@ -133,9 +137,11 @@ struct Buffers {
 
 // Group starts (each owner group of a receiver at a multiple of 8) and the
 // zero-padded buffers for the given partition sizes.
-Buffers allocate(const std::vector<int64_t>& totals, int64_t n, std::vector<int64_t>& group_start) {
+Buffers allocate(const std::vector<int64_t>& totals, int64_t n, std::vector<int64_t>& group_start,
+                 const at::Device& device) {
   Buffers out;
-  out.row_pointers = at::empty({n, n}, at::kInt);
+  const auto opts = at::TensorOptions().device(device);
+  out.row_pointers = at::empty({n, n}, opts.dtype(at::kInt));
   auto* rp = out.row_pointers.mutable_data_ptr<int32_t>();
   group_start.assign(n * n, 0);
   int64_t width = 0;
@@ -149,9 +155,9 @@ Buffers allocate(const std::vector<int64_t>& totals, int64_t n, std::vector<int6
     width = std::max(width, offset);
   }
   for (int64_t p = 0; p < n * n; ++p) group_start[p] += (p / n) * width;  // flat offsets
-  out.embedding_ids = at::zeros({n, width}, at::kInt);
-  out.sample_ids = at::full({n, width}, -1, at::kInt);
-  out.gains = at::zeros({n, width}, at::kFloat);
+  out.embedding_ids = at::zeros({n, width}, opts.dtype(at::kInt));
+  out.sample_ids = at::full({n, width}, -1, opts.dtype(at::kInt));
+  out.gains = at::zeros({n, width}, opts.dtype(at::kFloat));
   return out;
 }
 
@@ -160,7 +166,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, 
     const at::Tensor& values, const at::Tensor& lengths, const at::Tensor& weights, at::IntArrayRef features,
     at::IntArrayRef num_embeddings, at::IntArrayRef rotations, at::IntArrayRef row_offsets,
     at::IntArrayRef combiners, int64_t n, int64_t batch_size, int64_t rows_per_sc, int64_t max_ids,
-    int64_t max_unique, bool allow_drop) {
+    int64_t max_unique, bool allow_drop, const at::Device& device) {
   const auto v = values.contiguous();
   const auto l = lengths.contiguous().to(at::kLong);
   const auto w = weights.defined() && weights.numel() ? weights.contiguous().to(at::kFloat) : at::Tensor();
@@ -238,7 +244,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, 
   for (int64_t c = 0; c < num_chunks; ++c)
     for (int64_t p = 0; p < n * n; ++p) totals[p] += counts[c * n * n + p];
   std::vector<int64_t> group_start;
-  Buffers buf = allocate(totals, n, group_start);
+  Buffers buf = allocate(totals, n, group_start, device);
   int32_t* eid = buf.embedding_ids.mutable_data_ptr<int32_t>();
   int32_t* sid = buf.sample_ids.mutable_data_ptr<int32_t>();
   float* gn = buf.gains.mutable_data_ptr<float>();
@@ -300,7 +306,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, 
     dropped += totals[p] - static_cast<int64_t>(kept[p].size());
     totals[p] = static_cast<int64_t>(kept[p].size());
   }
-  Buffers out = allocate(totals, n, group_start);
+  Buffers out = allocate(totals, n, group_start, device);
   int32_t* oe = out.embedding_ids.mutable_data_ptr<int32_t>();
   int32_t* os = out.sample_ids.mutable_data_ptr<int32_t>();
   float* og = out.gains.mutable_data_ptr<float>();
@@ -314,6 +320,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, 
   return {out.row_pointers, out.embedding_ids, out.sample_ids, out.gains, part_counts, dropped, -1, 0};
 }
 
+// The buffers are allocated on `device` (host memory either way: a tpu
+// device's allocator caches blocks, and the lookup reads them there).
 // Returns the COO buffers, per-partition (ids, distinct rows) counts, the
 // number of dropped ids, and (slot, id) of the first out-of-range id (slot
 // -1 when all are valid; nothing else is built then).
@@ -321,17 +329,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, 
     const at::Tensor& values, const at::Tensor& lengths, const at::Tensor& weights, at::IntArrayRef features,
     at::IntArrayRef num_embeddings, at::IntArrayRef rotations, at::IntArrayRef row_offsets,
     at::IntArrayRef combiners, int64_t num_sparsecores, int64_t batch_size, int64_t rows_per_sparsecore,
-    int64_t max_ids, int64_t max_unique, bool allow_drop) {
+    int64_t max_ids, int64_t max_unique, bool allow_drop, at::Device device) {
   TORCH_CHECK(values.scalar_type() == at::kLong || values.scalar_type() == at::kInt,
               "preprocess_pooled: ids must be int64 or int32, got ", values.scalar_type());
   if (values.scalar_type() == at::kLong) {
     return preprocess_impl<int64_t>(values, lengths, weights, features, num_embeddings, rotations, row_offsets,
                                     combiners, num_sparsecores, batch_size, rows_per_sparsecore, max_ids,
-                                    max_unique, allow_drop);
+                                    max_unique, allow_drop, device);
   }
   return preprocess_impl<int32_t>(values, lengths, weights, features, num_embeddings, rotations, row_offsets,
                                   combiners, num_sparsecores, batch_size, rows_per_sparsecore, max_ids,
-                                  max_unique, allow_drop);
+                                  max_unique, allow_drop, device);
 }
 
 } // namespace
@@ -340,7 +348,8 @@ TORCH_LIBRARY_FRAGMENT(sparsecore, m) {
   m.def(
       "preprocess_pooled(Tensor values, Tensor lengths, Tensor weights, int[] features, "
       "int[] num_embeddings, int[] rotations, int[] row_offsets, int[] combiners, int num_sparsecores, "
-      "int batch_size, int rows_per_sparsecore, int max_ids, int max_unique, bool allow_drop) "
+      "int batch_size, int rows_per_sparsecore, int max_ids, int max_unique, bool allow_drop, "
+      "Device device) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor, int, int, int)");
   m.impl("preprocess_pooled", c10::DispatchKey::CPU, TORCH_FN(preprocess_pooled));
 }
