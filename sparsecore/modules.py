@@ -47,13 +47,36 @@ class SparseCoreEmbeddingBagCollection(SparseCoreCollection):
 
     def forward(self, features: KeyedJaggedTensor | PreprocessedBatch) -> KeyedTensor:
         batch, outputs = self._lookup_all(features)
-        pooled: dict[str, torch.Tensor] = {}
-        for stack in self._stacks:
-            for slot, feature in enumerate(stack.feature_names):
-                pooled[feature] = outputs[stack.name][slot * batch.batch_size:(slot + 1) * batch.batch_size]
+        size = batch.batch_size
+        # A stack's rows are feature-major (bag = slot * B + b): one view and
+        # transpose make its (B, features x dim) block, so autograd sees one
+        # reshape per stack rather than a slice per feature (a slice's
+        # backward writes a zero tensor the size of the whole stack).
+        blocks = [
+            outputs[s.name].view(len(s.feature_names), size, s.embedding_dim).transpose(0, 1)
+            .reshape(size, len(s.feature_names) * s.embedding_dim)
+            for s in self._stacks
+        ]
+        values = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+        if self._column_order is not None:
+            values = values.index_select(1, self._column_order.to(values.device))
         keys = [f for t in self._configs for f in t.feature_names]
         dims = [t.embedding_dim for t in self._configs for _ in t.feature_names]
-        return KeyedTensor(keys=keys, length_per_key=dims, values=torch.cat([pooled[f] for f in keys], dim=1))
+        return KeyedTensor(keys=keys, length_per_key=dims, values=values)
+
+    @property
+    def _column_order(self) -> torch.Tensor | None:
+        """Columns of the stacked blocks in TorchRec's feature order; None when they already are."""
+        if not hasattr(self, "_columns"):
+            offsets, start = {}, 0
+            for s in self._stacks:
+                for f in s.feature_names:
+                    offsets[f] = (start, s.embedding_dim)
+                    start += s.embedding_dim
+            order = [c for t in self._configs for f in t.feature_names
+                     for c in range(offsets[f][0], offsets[f][0] + offsets[f][1])]
+            self._columns = None if order == list(range(start)) else torch.tensor(order)
+        return self._columns
 
 
 class SparseCoreEmbeddingCollection(SparseCoreCollection):
@@ -69,11 +92,9 @@ class SparseCoreEmbeddingCollection(SparseCoreCollection):
         batch, outputs = self._lookup_all(features)
         result: dict[str, JaggedTensor] = {}
         for stack in self._stacks:
-            start = 0
-            for feature in stack.feature_names:
-                lengths = batch.lengths[feature]
-                count = int(lengths.sum())
-                result[feature] = JaggedTensor(
-                    values=outputs[stack.name][start:start + count], lengths=lengths.to(outputs[stack.name].device))
-                start += count
+            out = outputs[stack.name]
+            counts = [int(batch.lengths[f].sum()) for f in stack.feature_names]
+            # One split per stack: its backward is one concatenation.
+            for feature, values in zip(stack.feature_names, torch.split(out, counts)):
+                result[feature] = JaggedTensor(values=values, lengths=batch.lengths[feature].to(out.device))
         return {f: result[f] for t in self._configs for f in t.feature_names}
