@@ -51,24 +51,60 @@ class ShardMap {
   int shift_ = 0;
 };
 
-// Bags are short: insertion sort on packed (owner, row) keys beats std::sort there.
 inline uint64_t key_of(const Id& x) {
   return static_cast<uint64_t>(static_cast<uint32_t>(x.owner)) << 32 | static_cast<uint32_t>(x.row);
 }
 
-void sort_bag(std::vector<Id>& bag) {
-  if (bag.size() > 32) {
-    std::sort(bag.begin(), bag.end(), [](const Id& a, const Id& b) { return key_of(a) < key_of(b); });
-    return;
+// An index table of 128 slots, all empty (-1) to begin with.
+struct BagMergerSlots {
+  int32_t v[128];
+  BagMergerSlots() { std::fill(v, v + 128, -1); }
+  int32_t& operator[](size_t i) { return v[i]; }
+};
+
+// Merges ids repeated within one bag (gains summed), in place; returns the
+// merged count. Bags are short, so a small open-addressing table beats
+// sorting them; long bags are sorted.
+class BagMerger {
+ public:
+  size_t merge(std::vector<Id>& bag) {
+    if (bag.size() > kSmall) {
+      std::sort(bag.begin(), bag.end(), [](const Id& a, const Id& b) { return key_of(a) < key_of(b); });
+      size_t out = 0;
+      for (size_t i = 0; i < bag.size(); ++i) {
+        if (out > 0 && key_of(bag[out - 1]) == key_of(bag[i])) {
+          bag[out - 1].gain += bag[i].gain;
+        } else {
+          bag[out++] = bag[i];
+        }
+      }
+      return out;
+    }
+    size_t out = 0;
+    for (size_t i = 0; i < bag.size(); ++i) {
+      const uint64_t key = key_of(bag[i]);
+      uint32_t h = static_cast<uint32_t>((key * 0x9E3779B97F4A7C15ull) >> 57);  // 7 bits
+      while (slot_[h] >= 0 && key_of(bag[slot_[h]]) != key) h = (h + 1) & (kSlots - 1);
+      if (slot_[h] >= 0) {
+        bag[slot_[h]].gain += bag[i].gain;
+      } else {
+        bag[out] = bag[i];
+        slot_[h] = static_cast<int32_t>(out++);
+        used_[used_count_++] = h;
+      }
+    }
+    for (size_t i = 0; i < used_count_; ++i) slot_[used_[i]] = -1;
+    used_count_ = 0;
+    return out;
   }
-  for (size_t i = 1; i < bag.size(); ++i) {
-    const Id x = bag[i];
-    const uint64_t k = key_of(x);
-    size_t j = i;
-    for (; j > 0 && k < key_of(bag[j - 1]); --j) bag[j] = bag[j - 1];
-    bag[j] = x;
-  }
-}
+
+ private:
+  static constexpr size_t kSmall = 64;
+  static constexpr uint32_t kSlots = 128;
+  BagMergerSlots slot_;
+  uint32_t used_[kSmall] = {};
+  size_t used_count_ = 0;
+};
 
 // Gains of one bag's ids: weight times the combiner's scale.
 void bag_gains(const float* weights, int64_t begin, int64_t length, int64_t combiner, std::vector<float>& out) {
@@ -187,16 +223,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, 
   const int64_t num_bags = slots * batch_size;
   const ShardMap shard(n);
   const int64_t num_chunks = std::max<int64_t>(1, std::min<int64_t>(num_bags / 256, 8 * at::get_num_threads()));
-  std::vector<std::vector<Staged>> staged(num_chunks);
+  // Staging buffers stay with the calling thread between calls: fresh pages
+  // would cost a fault each.
+  // (A reference: worker threads must see the caller's buffers, not their own.)
+  thread_local std::vector<std::vector<Staged>> staging;
+  std::vector<std::vector<Staged>>& staged = staging;
+  if (static_cast<int64_t>(staged.size()) < num_chunks) staged.resize(num_chunks);
   std::vector<int64_t> counts(num_chunks * n * n, 0);
   std::vector<int64_t> bad(num_chunks * 2, -1);
   at::parallel_for(0, num_chunks, 1, [&](int64_t first_chunk, int64_t last_chunk) {
     std::vector<Id> bag;
     std::vector<float> gains;
+    BagMerger merger;
     for (int64_t c = first_chunk; c < last_chunk; ++c) {
       auto& out = staged[c];
       int64_t* count = counts.data() + c * n * n;
       const int64_t k_begin = num_bags * c / num_chunks, k_end = num_bags * (c + 1) / num_chunks;
+      int64_t expected = 0;
+      for (int64_t k = k_begin; k < k_end; ++k) {
+        const int64_t bag_index = features[k / batch_size] * batch_size + k % batch_size;
+        expected += starts[bag_index + 1] - starts[bag_index];
+      }
+      out.clear();
+      out.reserve(static_cast<size_t>(expected));
       for (int64_t k = k_begin; k < k_end && bad[2 * c] < 0; ++k) {
         const int64_t j = k / batch_size, b = k % batch_size;
         const int64_t bag_index = features[j] * batch_size + b;
@@ -217,17 +266,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, 
                     static_cast<int32_t>(row_offsets[j] + shard.row(shifted)), gains[i]};
         }
         if (bad[2 * c] >= 0) break;
-        sort_bag(bag);
-        for (size_t i = 0; i < bag.size();) {
-          Id merged = bag[i];
-          size_t m = i + 1;
-          for (; m < bag.size() && bag[m].owner == merged.owner && bag[m].row == merged.row; ++m) {
-            merged.gain += bag[m].gain;
-          }
-          const int32_t p = static_cast<int32_t>(s * n + merged.owner);
-          out.push_back({p, merged.row, static_cast<int32_t>(k), merged.gain});
+        const size_t merged = merger.merge(bag);
+        for (size_t i = 0; i < merged; ++i) {
+          const int32_t p = static_cast<int32_t>(s * n + bag[i].owner);
+          out.push_back({p, bag[i].row, static_cast<int32_t>(k), bag[i].gain});
           ++count[p];
-          i = m;
         }
       }
     }
@@ -265,7 +308,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, 
         sid[i] = e.bag;
         gn[i] = e.gain;
       }
-      std::vector<Staged>().swap(staged[c]);
     }
   });
 

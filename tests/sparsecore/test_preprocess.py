@@ -143,3 +143,17 @@ def test_empty_batch_and_empty_bags():
     stacks = one_table()
     batch = preprocess_stacks(kjt({"f": [[], [], []]}), stacks).stacks[stacks[0].name]
     assert batch.num_bags == 3 and all(v == [] for v in entries(batch).values())
+
+
+@pytest.mark.parametrize("bag_length", [40, 200])  # the hashed and the sorted merge
+def test_long_bags_merge_duplicates(bag_length):
+    stacks = one_table(rows=50, n=2)
+    g = torch.Generator().manual_seed(bag_length)
+    ids = torch.randint(0, 50, (bag_length,), generator=g).tolist()
+    batch = preprocess_stacks(kjt({"f": [ids, []]}), stacks).stacks[stacks[0].name]
+    expected = {}
+    for i in ids:
+        key = (i % 2, i // 2)  # (owner, row) with rotation 0
+        expected[key] = expected.get(key, 0) + 1
+    got = {(owner, row): gain for (receiver, owner), entries in entries(batch).items() for row, bag, gain in entries}
+    assert got == expected
