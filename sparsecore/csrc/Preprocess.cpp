@@ -191,9 +191,25 @@ Buffers allocate(const std::vector<int64_t>& totals, int64_t n, std::vector<int6
     width = std::max(width, offset);
   }
   for (int64_t p = 0; p < n * n; ++p) group_start[p] += (p / n) * width;  // flat offsets
-  out.embedding_ids = at::zeros({n, width}, opts.dtype(at::kInt));
-  out.sample_ids = at::full({n, width}, -1, opts.dtype(at::kInt));
-  out.gains = at::zeros({n, width}, opts.dtype(at::kFloat));
+  // Entries overwrite everything but the padding, so only the padding is filled.
+  out.embedding_ids = at::empty({n, width}, opts.dtype(at::kInt));
+  out.sample_ids = at::empty({n, width}, opts.dtype(at::kInt));
+  out.gains = at::empty({n, width}, opts.dtype(at::kFloat));
+  int32_t* eid = out.embedding_ids.mutable_data_ptr<int32_t>();
+  int32_t* sid = out.sample_ids.mutable_data_ptr<int32_t>();
+  float* gn = out.gains.mutable_data_ptr<float>();
+  auto pad = [&](int64_t begin, int64_t end) {
+    std::fill(eid + begin, eid + end, 0);
+    std::fill(sid + begin, sid + end, -1);
+    std::fill(gn + begin, gn + end, 0.0f);
+  };
+  for (int64_t s = 0; s < n; ++s) {
+    for (int64_t o = 0; o < n; ++o) {
+      const int64_t end = group_start[s * n + o] + totals[s * n + o];
+      const int64_t next = o + 1 < n ? group_start[s * n + o + 1] : (s + 1) * width;
+      pad(end, next);
+    }
+  }
   return out;
 }
 
