@@ -55,16 +55,16 @@ inline uint64_t key_of(const Id& x) {
   return static_cast<uint64_t>(static_cast<uint32_t>(x.owner)) << 32 | static_cast<uint32_t>(x.row);
 }
 
-// An index table of 128 slots, all empty (-1) to begin with.
+// An index table of 256 slots, all empty (-1) to begin with.
 struct BagMergerSlots {
-  int32_t v[128];
-  BagMergerSlots() { std::fill(v, v + 128, -1); }
+  int32_t v[256];
+  BagMergerSlots() { std::fill(v, v + 256, -1); }
   int32_t& operator[](size_t i) { return v[i]; }
 };
 
 // Merges ids repeated within one bag (gains summed), in place; returns the
 // merged count. Bags are short, so a small open-addressing table beats
-// sorting them; long bags are sorted.
+// sorting them; bags past 128 ids are sorted.
 class BagMerger {
  public:
   size_t merge(std::vector<Id>& bag) {
@@ -83,7 +83,7 @@ class BagMerger {
     size_t out = 0;
     for (size_t i = 0; i < bag.size(); ++i) {
       const uint64_t key = key_of(bag[i]);
-      uint32_t h = static_cast<uint32_t>((key * 0x9E3779B97F4A7C15ull) >> 57);  // 7 bits
+      uint32_t h = static_cast<uint32_t>((key * 0x9E3779B97F4A7C15ull) >> 56);  // 8 bits
       while (slot_[h] >= 0 && key_of(bag[slot_[h]]) != key) h = (h + 1) & (kSlots - 1);
       if (slot_[h] >= 0) {
         bag[slot_[h]].gain += bag[i].gain;
@@ -99,8 +99,8 @@ class BagMerger {
   }
 
  private:
-  static constexpr size_t kSmall = 64;
-  static constexpr uint32_t kSlots = 128;
+  static constexpr size_t kSmall = 128;  // at most half the slots used
+  static constexpr uint32_t kSlots = 256;
   BagMergerSlots slot_;
   uint32_t used_[kSmall] = {};
   size_t used_count_ = 0;

@@ -145,7 +145,7 @@ def test_empty_batch_and_empty_bags():
     assert batch.num_bags == 3 and all(v == [] for v in entries(batch).values())
 
 
-@pytest.mark.parametrize("bag_length", [40, 200])  # the hashed and the sorted merge
+@pytest.mark.parametrize("bag_length", [40, 120, 300])  # the hashed and the sorted merge
 def test_long_bags_merge_duplicates(bag_length):
     stacks = one_table(rows=50, n=2)
     g = torch.Generator().manual_seed(bag_length)
