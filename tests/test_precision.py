@@ -43,6 +43,12 @@ def test_default_is_medium_and_cpu_setting_is_separate():
         ("mv", lambda a, b: a @ b[:, 0].contiguous()),
         ("mm_strided", lambda a, b: a[:, ::2] @ b[::2, :]),
         ("mm_transposed", lambda a, b: (b.t() @ a.t()).t()),
+        ("addmm_", lambda a, b: torch.zeros(a.shape[0], b.shape[1], device=a.device).addmm_(a, b)),
+        ("baddbmm_", lambda a, b: torch.zeros(3, a.shape[0], b.shape[1], device=a.device)
+         .baddbmm_(a.expand(3, -1, -1), b.expand(3, -1, -1))),
+        ("addmv_", lambda a, b: torch.zeros(a.shape[0], device=a.device).addmv_(a, b[:, 0].contiguous())),
+        ("addbmm", lambda a, b: torch.addbmm(torch.zeros(a.shape[0], b.shape[1], device=a.device),
+                                             a.expand(3, -1, -1), b.expand(3, -1, -1))),
         ("addmm_row_bias", lambda a, b: torch.addmm(torch.arange(b.shape[1], device=a.device) * 0.1, a, b)),
     ],
 )

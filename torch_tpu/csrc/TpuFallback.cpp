@@ -2,6 +2,7 @@
 // CPU kernel on zero-copy views of the tpu tensors (see TpuHost.h), so
 // mutations land in tpu memory and fresh results are allocated there.
 
+#include "TpuFallback.h"
 #include "TpuGenerator.h"
 #include "TpuHost.h"
 #include "TpuStream.h"
@@ -10,6 +11,7 @@
 #include <ATen/core/stack.h>
 #include <torch/library.h>
 
+#include <mutex>
 #include <string>
 #include <unordered_set>
 
@@ -154,16 +156,6 @@ void tpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
 }
 
-// Ops with a tpu kernel of their own elsewhere (TpuMatmul.cpp, TpuRandom.cpp,
-// TpuMinimalOps.cpp) that the loop below must leave alone.
-bool has_own_kernel(const std::string& name) {
-  static const std::unordered_set<std::string> own = {
-      "aten::mm", "aten::bmm", "aten::mv", "aten::dot", "aten::addmm", "aten::baddbmm",
-      "aten::addmv", "aten::_addmm_activation", "aten::native_dropout",
-      "aten::convolution_overrideable", "aten::convolution_backward_overrideable"};
-  return own.count(name) > 0;
-}
-
 } // namespace
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
@@ -176,24 +168,31 @@ TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
 // resizing), and a few ops (native_layer_norm, native_group_norm, addr) as
 // decompositions that round bf16 intermediates differently from the CPU
 // kernel. Send them straight to their CPU kernels: one call, CPU's results.
-TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
-  auto& dispatcher = c10::Dispatcher::singleton();
-  for (const auto& name : dispatcher.getAllOpNames()) {
-    if (name.name.rfind("aten::", 0) != 0 || has_own_kernel(name.name)) {
-      continue;
+// Runs once the library is loaded, so every kernel registered in this
+// library (matmuls, dropout, ...) is already there and is left alone.
+void route_composites_to_cpu() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    static auto* library = new torch::Library(
+        torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+    auto& dispatcher = c10::Dispatcher::singleton();
+    for (const auto& name : dispatcher.getAllOpNames()) {
+      if (name.name.rfind("aten::", 0) != 0) {
+        continue;
+      }
+      auto op = dispatcher.findOp(name);
+      if (!op || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
+          !op->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
+          !(op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional) ||
+            op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd))) {
+        continue;
+      }
+      const std::string qualified = name.overload_name.empty()
+          ? name.name.substr(6)
+          : name.name.substr(6) + "." + name.overload_name;
+      library->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&tpu_fallback>());
     }
-    auto op = dispatcher.findOp(name);
-    if (!op || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
-        !op->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
-        !(op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional) ||
-          op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd))) {
-      continue;
-    }
-    const std::string qualified = name.overload_name.empty()
-        ? name.name.substr(6)
-        : name.name.substr(6) + "." + name.overload_name;
-    m.impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&tpu_fallback>());
-  }
+  });
 }
 
 } // namespace torch_tpu

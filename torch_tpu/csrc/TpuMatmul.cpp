@@ -6,6 +6,7 @@
 #include "TpuPrecision.h"
 
 #include <ATen/ops/addmm.h>
+#include <ATen/ops/addbmm.h>
 #include <ATen/ops/addmv.h>
 #include <ATen/ops/baddbmm.h>
 #include <ATen/ops/bmm.h>
@@ -119,6 +120,37 @@ at::Tensor tpu_addmv(const at::Tensor& self, const at::Tensor& mat, const at::Te
   });
 }
 
+at::Tensor tpu_addbmm(const at::Tensor& self, const at::Tensor& batch1, const at::Tensor& batch2,
+                      const c10::Scalar& beta, const c10::Scalar& alpha) {
+  return on_host("addbmm", {self, batch1, batch2}, [&](HostScope& s) {
+    const auto bias = s.view(self);
+    return on_mxu(s.view(batch1), s.view(batch2), [&](const at::Tensor& a, const at::Tensor& b, bool rest) {
+      return rest ? at::addbmm(bias, a, b, beta, alpha) : at::bmm(a, b).sum(0).mul_(alpha);
+    });
+  });
+}
+
+// In-place forms: the same MXU numbers, written into self.
+at::Tensor& into_self(at::Tensor& self, const at::Tensor& result) {
+  return self.copy_(result);
+}
+at::Tensor& tpu_addmm_(at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2,
+                       const c10::Scalar& beta, const c10::Scalar& alpha) {
+  return into_self(self, tpu_addmm(self, mat1, mat2, beta, alpha));
+}
+at::Tensor& tpu_baddbmm_(at::Tensor& self, const at::Tensor& b1, const at::Tensor& b2,
+                         const c10::Scalar& beta, const c10::Scalar& alpha) {
+  return into_self(self, tpu_baddbmm(self, b1, b2, beta, alpha));
+}
+at::Tensor& tpu_addmv_(at::Tensor& self, const at::Tensor& mat, const at::Tensor& vec,
+                       const c10::Scalar& beta, const c10::Scalar& alpha) {
+  return into_self(self, tpu_addmv(self, mat, vec, beta, alpha));
+}
+at::Tensor& tpu_addbmm_(at::Tensor& self, const at::Tensor& b1, const at::Tensor& b2,
+                        const c10::Scalar& beta, const c10::Scalar& alpha) {
+  return into_self(self, tpu_addbmm(self, b1, b2, beta, alpha));
+}
+
 // linear + activation fusion some paths take (e.g. TransformerEncoderLayer).
 at::Tensor tpu_addmm_activation(const at::Tensor& self, const at::Tensor& mat1,
                                 const at::Tensor& mat2, const c10::Scalar& beta,
@@ -222,6 +254,11 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("baddbmm", tpu_baddbmm);
   m.impl("baddbmm.out", tpu_baddbmm_out);
   m.impl("addmv", tpu_addmv);
+  m.impl("addbmm", tpu_addbmm);
+  m.impl("addmm_", tpu_addmm_);
+  m.impl("baddbmm_", tpu_baddbmm_);
+  m.impl("addmv_", tpu_addmv_);
+  m.impl("addbmm_", tpu_addbmm_);
   m.impl("_addmm_activation", tpu_addmm_activation);
   m.impl("convolution_overrideable", convolution);
   m.impl("convolution_backward_overrideable", convolution_backward);

@@ -2,6 +2,7 @@
 
 #include "TpuAllocator.h"
 #include "TpuDevice.h"
+#include "TpuFallback.h"
 #include "TpuGenerator.h"
 #include "TpuPrecision.h"
 #include "TpuStream.h"
@@ -13,6 +14,7 @@ namespace {
 
 void configure_op(int64_t num_devices, int64_t hbm_bytes) {
   configure(num_devices, hbm_bytes);
+  route_composites_to_cpu();
 }
 
 void set_precision_op(int64_t mode) {
