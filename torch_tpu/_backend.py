@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import warnings
 from pathlib import Path
 
@@ -55,7 +54,3 @@ def register() -> bool:
     except Exception as error:  # noqa: BLE001 - see module docstring
         warnings.warn(f"torch_tpu: the tpu device is unavailable: {error}", RuntimeWarning, stacklevel=2)
         return False
-
-
-def autoload_enabled() -> bool:
-    return os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1") != "0"

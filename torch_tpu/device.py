@@ -118,14 +118,13 @@ class TpuDeviceProperties:
 
 def get_device_properties(device: _device_t = None) -> TpuDeviceProperties:
     idx = _index(device)
-    torch.ops.torch_tpu._hbm_capacity()  # raises if the core is not loaded
     if not 0 <= idx < device_count():
         raise ValueError(f"Invalid tpu device index {idx}: valid indices are 0..{device_count() - 1}")
     topo = _backend.topology
     return TpuDeviceProperties(
         name=get_device_name(idx),
         chip=topo.chip.name,
-        total_memory=topo.hbm_bytes,
+        total_memory=torch.ops.torch_tpu._hbm_capacity(),
         chip_hbm_bytes=topo.chip.hbm_bytes,
         hbm_capped=topo.hbm_capped,
         sparsecores_per_chip=topo.chip.sparsecores_per_chip,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import functools
 import itertools
 import threading
 from collections.abc import Callable
@@ -90,6 +91,15 @@ _keys = itertools.count(1)
 _lock = threading.Lock()
 
 
+@functools.cache
+def _submit_c():
+    """The C entry point, with its prototype declared once."""
+    fn = _backend.library.torch_tpu_stream_submit
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, _CALLBACK, ctypes.c_void_p]
+    return fn
+
+
 @_CALLBACK
 def _run_task(key: int) -> None:
     with _lock:
@@ -116,10 +126,7 @@ def submit(stream: torch.Stream, fn: Callable[..., Any], /, *args: Any, **kwargs
     with _lock:
         key = next(_keys)
         _tasks[key] = task
-    submit_c = _backend.library.torch_tpu_stream_submit
-    submit_c.restype = ctypes.c_int
-    submit_c.argtypes = [ctypes.c_int, ctypes.c_int64, _CALLBACK, ctypes.c_void_p]
-    if submit_c(stream.device_index, stream.stream_id, _run_task, key) != 0:
+    if _submit_c()(stream.device_index, stream.stream_id, _run_task, key) != 0:
         with _lock:
             _tasks.pop(key, None)
         raise ValueError(f"Cannot submit to {stream}: not a tpu stream")

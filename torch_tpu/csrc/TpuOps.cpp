@@ -1,6 +1,5 @@
 // torch.ops.torch_tpu.*: the few entry points the Python layer needs.
 
-#include "TpuAllocator.h"
 #include "TpuDevice.h"
 #include "TpuFallback.h"
 #include "TpuGenerator.h"
@@ -34,10 +33,6 @@ std::optional<at::Generator> default_generator_op(int64_t device) {
   return default_generator(static_cast<c10::DeviceIndex>(device));
 }
 
-bool is_pinned_op(int64_t address) {
-  return is_pinned(reinterpret_cast<const void*>(address));
-}
-
 } // namespace
 
 TORCH_LIBRARY(torch_tpu, m) {
@@ -46,7 +41,6 @@ TORCH_LIBRARY(torch_tpu, m) {
   m.def("_get_matmul_precision() -> int", get_precision_op);
   m.def("_hbm_capacity() -> int", hbm_capacity_op);
   m.def("_default_generator(int device) -> Generator?", default_generator_op);
-  m.def("_is_pinned(int address) -> bool", is_pinned_op);
 }
 
 } // namespace torch_tpu
