@@ -193,9 +193,10 @@ class SparseCoreCollection(nn.Module):
         args = (coo.row_pointers.to(weight.device), coo.embedding_ids.to(weight.device),
                 coo.sample_ids.to(weight.device), coo.gains.to(weight.device))
         if self._optimizer is None or not torch.is_grad_enabled():
-            return lookup(weight, *args, coo.num_bags)
+            return lookup(weight, *args, coo.num_bags, coo.batch_size)
         return fused_lookup(self._placeholder, weight, list(self._optimizer_state[stack.name].values()),
-                            self._steps[stack.name], self._hyper, *args, coo.num_bags, self._optimizer.kernel_code)
+                            self._steps[stack.name], self._hyper, *args, coo.num_bags, coo.batch_size,
+                            self._optimizer.kernel_code)
 
     def forward_async(self, features: KeyedJaggedTensor | PreprocessedBatch) -> concurrent.futures.Future:
         """Runs forward (preprocessing included) on the device's SparseCore executor.

@@ -27,21 +27,22 @@ def fused_lookup(
     sample_ids: torch.Tensor,
     gains: torch.Tensor,
     num_bags: int,
+    batch_size: int,
     optimizer: int,
 ) -> torch.Tensor:
     """The lookup; its backward steps ``optimizer`` (an sparsecore.optim kernel code) on the rows."""
-    return torch.ops.sparsecore.lookup(weight, row_pointers, embedding_ids, sample_ids, gains, num_bags)
+    return torch.ops.sparsecore.lookup(weight, row_pointers, embedding_ids, sample_ids, gains, num_bags, batch_size)
 
 
 @fused_lookup.register_fake
 def _fused_lookup_fake(placeholder, weight, state, step, hyper, row_pointers, embedding_ids, sample_ids, gains,
-                       num_bags, optimizer):
+                       num_bags, batch_size, optimizer):
     return weight.new_empty(num_bags, weight.shape[1], dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    _, weight, state, step, hyper, row_pointers, embedding_ids, sample_ids, gains, _, optimizer = inputs
-    ctx.optimizer = optimizer
+    _, weight, state, step, hyper, row_pointers, embedding_ids, sample_ids, gains, _, batch_size, optimizer = inputs
+    ctx.optimizer, ctx.batch_size = optimizer, batch_size
     ctx.num_state = len(state)
     ctx.save_for_backward(weight, step, hyper, row_pointers, embedding_ids, sample_ids, gains, *state)
 
@@ -49,9 +50,9 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad_output):
     weight, step, hyper, row_pointers, embedding_ids, sample_ids, gains, *state = ctx.saved_tensors
     torch.ops.sparsecore.backward_update(weight, state, step, grad_output, row_pointers, embedding_ids,
-                                         sample_ids, gains, ctx.optimizer, hyper)
+                                         sample_ids, gains, ctx.batch_size, ctx.optimizer, hyper)
     # No gradient for anything: the update above is the backward's whole effect.
-    return None, None, [None] * ctx.num_state, *(None,) * 8
+    return None, None, [None] * ctx.num_state, *(None,) * 9
 
 
 fused_lookup.register_autograd(_backward, setup_context=_setup_context)

@@ -48,15 +48,9 @@ class SparseCoreEmbeddingBagCollection(SparseCoreCollection):
     def forward(self, features: KeyedJaggedTensor | PreprocessedBatch) -> KeyedTensor:
         batch, outputs = self._lookup_all(features)
         size = batch.batch_size
-        # A stack's rows are feature-major (bag = slot * B + b): one view and
-        # transpose make its (B, features x dim) block, so autograd sees one
-        # reshape per stack rather than a slice per feature (a slice's
-        # backward writes a zero tensor the size of the whole stack).
-        blocks = [
-            outputs[s.name].view(len(s.feature_names), size, s.embedding_dim).transpose(0, 1)
-            .reshape(size, len(s.feature_names) * s.embedding_dim)
-            for s in self._stacks
-        ]
+        # The lookup writes a stack's bags straight into its (B, features x dim)
+        # block (sparsecore.kernels): a view, no copy in either direction.
+        blocks = [outputs[s.name].view(size, len(s.feature_names) * s.embedding_dim) for s in self._stacks]
         values = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
         if self._column_order is not None:
             values = values.index_select(1, self._column_order.to(values.device))

@@ -2,15 +2,19 @@
 
 For each stack (sparsecore.stacking) the ids of its features are mapped to
 (owning SparseCore, local row), merged within a bag (duplicates sum their
-gains), sorted, and laid out per *receiving* SparseCore — the one that gets
-the bag's batch slice — as CSR-wrapped COO: for receiver ``s`` the entries
-owned by SparseCore ``o`` sit in ``[start(s, o), row_pointers[s, o])`` with
-every group starting at a multiple of 8. A partition is a (receiver, owner)
+gains), and laid out per *receiving* SparseCore — the one that gets the
+bag's batch slice — as CSR-wrapped COO: for receiver ``s`` the entries
+owned by SparseCore ``o`` sit in ``[start(s, o), row_pointers[s, o])``, in
+bag order (the lookup sums a bag in registers and writes it once; the
+backward sorts by row itself), with every group starting at a multiple of 8. A partition is a (receiver, owner)
 pair; the SparseCore limits count entries and distinct rows per partition.
 
-Bags are the output rows of the stack: for pooled stacks bag ``f * B + b`` is
-feature ``f`` (in stack order) of sample ``b``; for sequence stacks every kept
-id is its own bag, numbered in order. Gains fold in the weights and the
+Bags are numbered feature-major: for pooled stacks bag ``f * B + b`` is
+feature ``f`` (in stack order) of sample ``b`` (walking a stack table by table
+keeps each table's rows hot in cache); the lookup writes bag ``f * B + b`` to
+output row ``b * F + f``, so a pooled stack's output is its ``(B, F x dim)``
+block as it is. For sequence stacks every kept id is its own bag and output
+row, numbered in order. Gains fold in the weights and the
 combiner: sum ``w``, mean ``w / n``, sqrtn ``w / sqrt(sum w^2)``.
 
 Example, one table of 8 rows on 2 SparseCores, batch 2, feature ``f``
@@ -64,6 +68,9 @@ class StackBatch:
     """(receivers, L) float32: weight times combiner scale; 0 in padding."""
     num_bags: int
     """Output rows of the stack for this batch."""
+    batch_size: int
+    """Bag ``f * batch_size + b`` goes to output row ``b * F + f`` (F = num_bags / batch_size):
+    the batch size for pooled stacks, ``num_bags`` for sequence stacks (rows in bag order)."""
     stats: PartitionStats
 
     def group_start(self, receiver: int, owner: int) -> int:
@@ -201,7 +208,7 @@ def _apply_limits(stack: StackSpec, partition: torch.Tensor, row: torch.Tensor, 
 
 
 def _layout(partition, row, bag, gain, n: int):
-    """CSR-wrapped COO buffers from entries sorted by (receiver, owner, row, bag)."""
+    """CSR-wrapped COO buffers from entries sorted by (receiver, owner), each partition in bag order."""
     counts = torch.bincount(partition, minlength=n * n).view(n, n)
     padded = -(-counts // ALIGNMENT) * ALIGNMENT
     starts = torch.cumsum(padded, 1) - padded  # group starts within each receiver
@@ -242,7 +249,7 @@ def _preprocess_pooled(stack: StackSpec, kjt: "KjtView", allow_id_dropping: bool
         raise _limit_error(stack, ids, unique)
     stats = PartitionStats(max_ids_per_partition=int(ids.max()), max_unique_ids_per_partition=int(unique.max()), dropped_ids=dropped)
     return StackBatch(row_pointers=row_pointers, embedding_ids=embedding_ids, sample_ids=sample_ids, gains=gains,
-                      num_bags=len(slots) * kjt.batch_size, stats=stats)
+                      num_bags=len(slots) * kjt.batch_size, batch_size=kjt.batch_size, stats=stats)
 
 
 def _preprocess_stack(stack: StackSpec, kjt: "KjtView", allow_id_dropping: bool, lengths_out: dict,
@@ -253,14 +260,18 @@ def _preprocess_stack(stack: StackSpec, kjt: "KjtView", allow_id_dropping: bool,
     n = stack.num_sparsecores
     owner, row, bag, receiver, gain, num_bags = _sequence_entries(stack, kjt, lengths_out)
     partition = receiver * n + owner
-    order = torch.argsort(partition * (stack.rows_per_sparsecore + 1) + row, stable=True)
-    partition, row, bag, gain = partition[order], row[order], bag[order], gain[order]
-    keep, stats = _apply_limits(stack, partition, row, allow_id_dropping)
+    # The limits are counted over rows in order; the layout keeps bag order within a partition.
+    by_row = torch.argsort(partition * (stack.rows_per_sparsecore + 1) + row, stable=True)
+    keep_by_row, stats = _apply_limits(stack, partition[by_row], row[by_row], allow_id_dropping)
     if stats.dropped_ids:
+        keep = torch.empty_like(keep_by_row)
+        keep[by_row] = keep_by_row
         partition, row, bag, gain = partition[keep], row[keep], bag[keep], gain[keep]
+    order = torch.argsort(partition, stable=True)
+    partition, row, bag, gain = partition[order], row[order], bag[order], gain[order]
     row_pointers, embedding_ids, sample_ids, gains = _layout(partition, row, bag, gain, n)
     return StackBatch(row_pointers=row_pointers, embedding_ids=embedding_ids, sample_ids=sample_ids,
-                      gains=gains, num_bags=num_bags, stats=stats)
+                      gains=gains, num_bags=num_bags, batch_size=num_bags, stats=stats)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,34 +1,30 @@
-// The forward of a stack: out[bag] += gain * table[owner * rows_per_sc + row]
-// for every COO entry, accumulated in fp32.
+// The forward of a stack: out[bag] = sum of gain * table[owner * rows_per_sc + row]
+// over the bag's COO entries, accumulated in fp32.
 //
 // Within every (receiver, owner) group the entries are in bag order (see
 // Preprocess.cpp), so the work splits into disjoint ranges of bags: a thread
-// takes a bag range and finds its slice of every group by binary search. No
-// two threads write one output row, whatever the number of SparseCores.
+// takes a bag range, finds its slice of every group by binary search, and
+// walks the bags in order with one cursor per group. A bag's entries from all
+// its SparseCores are summed in registers and its output row is written once,
+// as an embedding_bag kernel does, rather than read and written per entry.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/zeros.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <vector>
 
 namespace sparsecore {
 namespace {
 
 constexpr int64_t kAlignment = 8;
-// Rows fetched ahead of use: random rows come from DRAM, and keeping several
-// requests in flight is what makes a gather fast.
-constexpr int64_t kPrefetchDistance = 8;
+// Entries of a group fetched ahead of use: random rows come from DRAM, and
+// keeping several requests in flight is what makes a gather fast.
+constexpr int64_t kPrefetchDistance = 32;
 constexpr int64_t kBagsPerTask = 256;
-
-template <typename scalar_t>
-inline void accumulate_row(float* __restrict out, const scalar_t* __restrict row, float gain, int64_t dim) {
-  for (int64_t d = 0; d < dim; ++d) {
-    out[d] += gain * static_cast<float>(row[d]);
-  }
-}
 
 template <typename scalar_t>
 inline void prefetch_row(const scalar_t* row, int64_t dim) {
@@ -53,40 +49,92 @@ std::vector<std::pair<int64_t, int64_t>> groups(const int32_t* row_pointers, int
   return out;
 }
 
+struct Coo {
+  int64_t row_of(int64_t bag) const { return bag % batch_size * slots + bag / batch_size; }
+  const int32_t* ids;
+  const int32_t* samples;
+  const float* gains;
+  std::vector<std::pair<int64_t, int64_t>> spans;
+  int64_t n;
+  int64_t rows_per_sc;
+  int64_t batch_size;  // bag f * batch_size + b is output row b * slots + f
+  int64_t slots;
+};
+
+// kDim > 0: the row width known at compile time, so the accumulator lives in
+// vector registers; kDim == 0: any width, accumulated through memory.
+template <typename scalar_t, int64_t kDim>
+void lookup_bags(const Coo& coo, const scalar_t* table, int64_t runtime_dim, float* out, int64_t bag_begin,
+                 int64_t bag_end) {
+  const int64_t dim = kDim > 0 ? kDim : runtime_dim;
+  const int64_t n = coo.n;
+  const int64_t groups = n * n;
+  std::vector<int64_t> cursor(groups), end(groups);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int32_t* first = coo.samples + coo.spans[g].first;
+    const int32_t* last = coo.samples + coo.spans[g].second;
+    cursor[g] = std::lower_bound(first, last, bag_begin) - coo.samples;
+    end[g] = std::lower_bound(first, last, bag_end) - coo.samples;
+  }
+  std::vector<const scalar_t*> shard(n);
+  for (int64_t o = 0; o < n; ++o) shard[o] = table + o * coo.rows_per_sc * dim;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t e = cursor[g]; e < std::min(end[g], cursor[g] + kPrefetchDistance); ++e) {
+      prefetch_row(shard[g % n] + static_cast<int64_t>(coo.ids[e]) * dim, dim);
+    }
+  }
+  float fixed[kDim > 0 ? kDim : 1];
+  std::vector<float> dynamic(kDim > 0 ? 0 : dim);
+  float* acc = kDim > 0 ? fixed : dynamic.data();
+  for (int64_t bag = bag_begin; bag < bag_end; ++bag) {
+    for (int64_t d = 0; d < dim; ++d) acc[d] = 0.0f;
+    // Only the bag's receiver has entries for it; the other groups' cursors
+    // stop at once on a larger sample id.
+    for (int64_t g = 0; g < groups; ++g) {
+      int64_t e = cursor[g];
+      const int64_t stop = end[g];
+      const scalar_t* base = shard[g % n];
+      for (; e < stop && coo.samples[e] == bag; ++e) {
+        if (e + kPrefetchDistance < stop) {
+          prefetch_row(base + static_cast<int64_t>(coo.ids[e + kPrefetchDistance]) * dim, dim);
+        }
+        const scalar_t* row = base + static_cast<int64_t>(coo.ids[e]) * dim;
+        const float gain = coo.gains[e];
+        for (int64_t d = 0; d < dim; ++d) acc[d] += gain * static_cast<float>(row[d]);
+      }
+      cursor[g] = e;
+    }
+    float* dst = out + coo.row_of(bag) * dim;
+    for (int64_t d = 0; d < dim; ++d) dst[d] = acc[d];
+  }
+}
+
 at::Tensor lookup(const at::Tensor& weight, const at::Tensor& row_pointers,
                   const at::Tensor& embedding_ids, const at::Tensor& sample_ids,
-                  const at::Tensor& gains, int64_t num_bags) {
+                  const at::Tensor& gains, int64_t num_bags, int64_t batch_size) {
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "lookup: weight must be a contiguous 2-D table");
+  TORCH_CHECK(batch_size > 0 ? num_bags % batch_size == 0 : num_bags == 0,
+              "lookup: num_bags (", num_bags, ") must be a multiple of batch_size (", batch_size, ")");
   const int64_t n = row_pointers.size(0);
   const int64_t width = embedding_ids.size(1);
   const int64_t dim = weight.size(1);
-  const int64_t rows_per_sc = weight.size(0) / n;
-  auto out = at::zeros({num_bags, dim}, weight.options().dtype(at::kFloat));
+  auto out = at::empty({num_bags, dim}, weight.options().dtype(at::kFloat));
   const auto rp = row_pointers.contiguous();
   const auto ids = embedding_ids.contiguous();
   const auto samples = sample_ids.contiguous();
   const auto gn = gains.contiguous();
-  const auto spans = groups(rp.const_data_ptr<int32_t>(), n, width);
-  const int32_t* idp = ids.const_data_ptr<int32_t>();
-  const int32_t* sp = samples.const_data_ptr<int32_t>();
-  const float* gp = gn.const_data_ptr<float>();
+  const Coo coo{ids.const_data_ptr<int32_t>(), samples.const_data_ptr<int32_t>(), gn.const_data_ptr<float>(),
+                groups(rp.const_data_ptr<int32_t>(), n, width), n, weight.size(0) / n,
+                std::max<int64_t>(batch_size, 1), batch_size > 0 ? num_bags / batch_size : 0};
   float* op = out.mutable_data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "sparsecore_lookup", [&] {
     const scalar_t* table = weight.const_data_ptr<scalar_t>();
     at::parallel_for(0, num_bags, kBagsPerTask, [&](int64_t bag_begin, int64_t bag_end) {
-      for (size_t g = 0; g < spans.size(); ++g) {
-        const int64_t owner = static_cast<int64_t>(g) % n;
-        const scalar_t* shard = table + owner * rows_per_sc * dim;
-        const int32_t* first = sp + spans[g].first;
-        const int32_t* last = sp + spans[g].second;
-        const int64_t begin = std::lower_bound(first, last, bag_begin) - sp;
-        const int64_t end = std::lower_bound(first, last, bag_end) - sp;
-        for (int64_t e = begin; e < end; ++e) {
-          if (e + kPrefetchDistance < end) {
-            prefetch_row(shard + static_cast<int64_t>(idp[e + kPrefetchDistance]) * dim, dim);
-          }
-          accumulate_row(op + static_cast<int64_t>(sp[e]) * dim, shard + static_cast<int64_t>(idp[e]) * dim, gp[e], dim);
-        }
+      switch (dim) {
+        case 32: return lookup_bags<scalar_t, 32>(coo, table, dim, op, bag_begin, bag_end);
+        case 64: return lookup_bags<scalar_t, 64>(coo, table, dim, op, bag_begin, bag_end);
+        case 128: return lookup_bags<scalar_t, 128>(coo, table, dim, op, bag_begin, bag_end);
+        default: return lookup_bags<scalar_t, 0>(coo, table, dim, op, bag_begin, bag_end);
       }
     });
   });
@@ -97,7 +145,7 @@ at::Tensor lookup(const at::Tensor& weight, const at::Tensor& row_pointers,
 
 TORCH_LIBRARY_FRAGMENT(sparsecore, m) {
   m.def("lookup(Tensor weight, Tensor row_pointers, Tensor embedding_ids, Tensor sample_ids, "
-        "Tensor gains, int num_bags) -> Tensor");
+        "Tensor gains, int num_bags, int batch_size) -> Tensor");
   m.impl("lookup", c10::DispatchKey::CPU, TORCH_FN(lookup));
   m.impl("lookup", c10::DispatchKey::PrivateUse1, TORCH_FN(lookup));
 }

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -28,12 +29,6 @@ namespace {
 constexpr int64_t kAlignment = 8;
 
 enum Combiner : int64_t { kSum = 0, kMean = 1, kSqrtn = 2 };
-
-struct Id {
-  int32_t owner;
-  int32_t row;
-  float gain;
-};
 
 // id -> (owner, row) under mod sharding; shifts and masks when n is a power
 // of two (the common case), since a division per id costs more than the rest.
@@ -51,9 +46,32 @@ class ShardMap {
   int shift_ = 0;
 };
 
-inline uint64_t key_of(const Id& x) {
-  return static_cast<uint64_t>(static_cast<uint32_t>(x.owner)) << 32 | static_cast<uint32_t>(x.row);
+// One merged (row, bag) of a partition, as pass 1 stages it.
+struct Staged {
+  int32_t partition;
+  int32_t row;
+  int32_t bag;
+  float gain;
+};
+
+inline uint64_t key_of(const Staged& x) {
+  return static_cast<uint64_t>(static_cast<uint32_t>(x.partition)) << 32 | static_cast<uint32_t>(x.row);
 }
+
+// Pass 1's output for one chunk: grown, never shrunk or value-initialised
+// (every entry is written before it is read).
+struct StagingBuffer {
+  std::unique_ptr<Staged[]> data;
+  size_t capacity = 0;
+  size_t size = 0;
+  void reset(size_t expected) {
+    if (expected > capacity) {
+      data.reset(new Staged[expected]);
+      capacity = expected;
+    }
+    size = 0;
+  }
+};
 
 // An index table of 256 slots, all empty (-1) to begin with.
 struct BagMergerSlots {
@@ -67,11 +85,11 @@ struct BagMergerSlots {
 // sorting them; bags past 128 ids are sorted.
 class BagMerger {
  public:
-  size_t merge(std::vector<Id>& bag) {
-    if (bag.size() > kSmall) {
-      std::sort(bag.begin(), bag.end(), [](const Id& a, const Id& b) { return key_of(a) < key_of(b); });
+  size_t merge(Staged* bag, size_t size) {
+    if (size > kSmall) {
+      std::sort(bag, bag + size, [](const Staged& a, const Staged& b) { return key_of(a) < key_of(b); });
       size_t out = 0;
-      for (size_t i = 0; i < bag.size(); ++i) {
+      for (size_t i = 0; i < size; ++i) {
         if (out > 0 && key_of(bag[out - 1]) == key_of(bag[i])) {
           bag[out - 1].gain += bag[i].gain;
         } else {
@@ -81,7 +99,7 @@ class BagMerger {
       return out;
     }
     size_t out = 0;
-    for (size_t i = 0; i < bag.size(); ++i) {
+    for (size_t i = 0; i < size; ++i) {
       const uint64_t key = key_of(bag[i]);
       uint32_t h = static_cast<uint32_t>((key * 0x9E3779B97F4A7C15ull) >> 56);  // 8 bits
       while (slot_[h] >= 0 && key_of(bag[slot_[h]]) != key) h = (h + 1) & (kSlots - 1);
@@ -123,14 +141,6 @@ void bag_gains(const float* weights, int64_t begin, int64_t length, int64_t comb
   for (auto& g : out) g *= scale;
 }
 
-// One merged (row, bag) of a partition, as pass 1 stages it.
-struct Staged {
-  int32_t partition;
-  int32_t row;
-  int32_t bag;
-  float gain;
-};
-
 // A partition's entries after the limits, for the (rare) dropping path.
 struct Entry {
   int32_t row;
@@ -151,7 +161,11 @@ class DistinctRows {
       distinct += (word & bit) == 0;
       word |= bit;
     }
-    for (int64_t i = 0; i < n; ++i) bits_[rows[i] >> 6] = 0;
+    if (n > static_cast<int64_t>(bits_.size()) / 8) {
+      std::fill(bits_.begin(), bits_.end(), 0);  // many rows: a sweep beats scattered stores
+    } else {
+      for (int64_t i = 0; i < n; ++i) bits_[rows[i] >> 6] = 0;
+    }
     return distinct;
   }
   bool test_and_set(int32_t row) {
@@ -242,17 +256,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, 
   // Staging buffers stay with the calling thread between calls: fresh pages
   // would cost a fault each.
   // (A reference: worker threads must see the caller's buffers, not their own.)
-  thread_local std::vector<std::vector<Staged>> staging;
-  std::vector<std::vector<Staged>>& staged = staging;
+  thread_local std::vector<StagingBuffer> staging;
+  std::vector<StagingBuffer>& staged = staging;
   if (static_cast<int64_t>(staged.size()) < num_chunks) staged.resize(num_chunks);
   std::vector<int64_t> counts(num_chunks * n * n, 0);
   std::vector<int64_t> bad(num_chunks * 2, -1);
   at::parallel_for(0, num_chunks, 1, [&](int64_t first_chunk, int64_t last_chunk) {
-    std::vector<Id> bag;
     std::vector<float> gains;
     BagMerger merger;
     for (int64_t c = first_chunk; c < last_chunk; ++c) {
-      auto& out = staged[c];
       int64_t* count = counts.data() + c * n * n;
       const int64_t k_begin = num_bags * c / num_chunks, k_end = num_bags * (c + 1) / num_chunks;
       int64_t expected = 0;
@@ -260,35 +272,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, 
         const int64_t bag_index = features[k / batch_size] * batch_size + k % batch_size;
         expected += starts[bag_index + 1] - starts[bag_index];
       }
-      out.clear();
-      out.reserve(static_cast<size_t>(expected));
-      for (int64_t k = k_begin; k < k_end && bad[2 * c] < 0; ++k) {
+      staged[c].reset(static_cast<size_t>(expected));
+      Staged* out = staged[c].data.get();
+      for (int64_t k = k_begin; k < k_end; ++k) {
         const int64_t j = k / batch_size, b = k % batch_size;
         const int64_t bag_index = features[j] * batch_size + b;
         const int64_t begin = starts[bag_index], length = starts[bag_index + 1] - begin;
         if (length == 0) continue;
-        const int64_t s = b / slice;
-        bag_gains(wts, begin, length, combiners[j], gains);
-        bag.resize(length);
+        const int32_t receiver_base = static_cast<int32_t>(b / slice * n);
+        // Unweighted sum and mean bags give all their ids one gain.
+        const bool shared_gain = wts == nullptr && combiners[j] != kSqrtn;
+        const float gain = combiners[j] == kMean ? 1.0f / static_cast<float>(length) : 1.0f;
+        if (!shared_gain) bag_gains(wts, begin, length, combiners[j], gains);
+        const int64_t limit = num_embeddings[j], rotation = rotations[j], row_offset = row_offsets[j];
         for (int64_t i = 0; i < length; ++i) {
           const int64_t id = static_cast<int64_t>(ids[begin + i]);
-          if (id < 0 || id >= num_embeddings[j]) {
+          if (id < 0 || id >= limit) {
             bad[2 * c] = j;
             bad[2 * c + 1] = id;
-            break;
+            return;
           }
-          const int64_t shifted = id + rotations[j];
-          bag[i] = {static_cast<int32_t>(shard.owner(shifted)),
-                    static_cast<int32_t>(row_offsets[j] + shard.row(shifted)), gains[i]};
+          const int64_t shifted = id + rotation;
+          out[i] = {receiver_base + static_cast<int32_t>(shard.owner(shifted)),
+                    static_cast<int32_t>(row_offset + shard.row(shifted)), static_cast<int32_t>(k),
+                    shared_gain ? gain : gains[i]};
         }
-        if (bad[2 * c] >= 0) break;
-        const size_t merged = merger.merge(bag);
-        for (size_t i = 0; i < merged; ++i) {
-          const int32_t p = static_cast<int32_t>(s * n + bag[i].owner);
-          out.push_back({p, bag[i].row, static_cast<int32_t>(k), bag[i].gain});
-          ++count[p];
-        }
+        const size_t merged = length == 1 ? 1 : merger.merge(out, static_cast<size_t>(length));
+        for (size_t i = 0; i < merged; ++i) ++count[out[i].partition];
+        out += merged;
       }
+      staged[c].size = static_cast<size_t>(out - staged[c].data.get());
     }
   });
   for (int64_t c = 0; c < num_chunks; ++c) {
@@ -318,11 +331,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, 
   at::parallel_for(0, num_chunks, 1, [&](int64_t first_chunk, int64_t last_chunk) {
     for (int64_t c = first_chunk; c < last_chunk; ++c) {
       int64_t* at = cursor.data() + c * n * n;
-      for (const auto& e : staged[c]) {
-        const int64_t i = at[e.partition]++;
-        eid[i] = e.row;
-        sid[i] = e.bag;
-        gn[i] = e.gain;
+      for (const Staged* e = staged[c].data.get(); e != staged[c].data.get() + staged[c].size; ++e) {
+        const int64_t i = at[e->partition]++;
+        eid[i] = e->row;
+        sid[i] = e->bag;
+        gn[i] = e->gain;
       }
     }
   });

@@ -113,7 +113,8 @@ void step_row(scalar_t* w, const float* g, int64_t dim, int64_t optimizer, const
 void backward_update(const at::Tensor& weight, at::TensorList state, const at::Tensor& step,
                      const at::Tensor& grad_output, const at::Tensor& row_pointers,
                      const at::Tensor& embedding_ids, const at::Tensor& sample_ids,
-                     const at::Tensor& gains, int64_t optimizer, const at::Tensor& hyper) {
+                     const at::Tensor& gains, int64_t batch_size, int64_t optimizer,
+                     const at::Tensor& hyper) {
   TORCH_CHECK(weight.is_contiguous() && weight.dim() == 2, "backward_update: weight must be a contiguous 2-D table");
   TORCH_CHECK(hyper.numel() == 6 && hyper.scalar_type() == at::kDouble, "backward_update: hyper must be float64 [6]");
   TORCH_CHECK(step.numel() == 1 && step.scalar_type() == at::kLong, "backward_update: step must be one int64");
@@ -126,6 +127,10 @@ void backward_update(const at::Tensor& weight, at::TensorList state, const at::T
   const int64_t width = embedding_ids.size(1);
   const int64_t dim = weight.size(1);
   const int64_t rows_per_sc = weight.size(0) / n;
+  // Bag f * batch_size + b has its gradient in row b * slots + f (see Lookup.cpp).
+  const int64_t bags_per_slot = std::max<int64_t>(batch_size, 1);
+  const int64_t slots = grad_output.size(0) / bags_per_slot;
+  auto grad_row = [&](int64_t bag) { return bag % bags_per_slot * slots + bag / bags_per_slot; };
   const auto grad = grad_output.contiguous().to(at::kFloat);
   const auto rp = row_pointers.contiguous();
   const auto ids = embedding_ids.contiguous();
@@ -167,13 +172,13 @@ void backward_update(const at::Tensor& weight, at::TensorList state, const at::T
             // Gradient rows and touched table rows are scattered: fetch ahead.
             const uint64_t ahead = keys[i + kPrefetchDistance];
             const int64_t r = owner * rows_per_sc + static_cast<int64_t>(ahead >> 32);
-            prefetch(go + static_cast<int64_t>(sp[ahead & 0xffffffffu]) * dim, dim * 4);
+            prefetch(go + grad_row(sp[ahead & 0xffffffffu]) * dim, dim * 4);
             prefetch(table + r * dim, dim * static_cast<int64_t>(sizeof(scalar_t)));
             if (s0) prefetch(s0 + r * state_width, state_width * 4);
             if (s1) prefetch(s1 + r * dim, dim * 4);
           }
           const int64_t e = static_cast<int64_t>(keys[i] & 0xffffffffu);
-          const float* g = go + static_cast<int64_t>(sp[e]) * dim;
+          const float* g = go + grad_row(sp[e]) * dim;
           const float gain = gp[e];
           for (int64_t d = 0; d < dim; ++d) acc[d] += gain * g[d];
           const int64_t row = static_cast<int64_t>(keys[i] >> 32);
@@ -193,7 +198,7 @@ void backward_update(const at::Tensor& weight, at::TensorList state, const at::T
 
 TORCH_LIBRARY_FRAGMENT(sparsecore, m) {
   m.def("backward_update(Tensor(a!) weight, Tensor(b!)[] state, Tensor(c!) step, Tensor grad_output, "
-        "Tensor row_pointers, Tensor embedding_ids, Tensor sample_ids, Tensor gains, int optimizer, "
+        "Tensor row_pointers, Tensor embedding_ids, Tensor sample_ids, Tensor gains, int batch_size, int optimizer, "
         "Tensor hyper) -> ()");
   m.impl("backward_update", c10::DispatchKey::CPU, TORCH_FN(backward_update));
   m.impl("backward_update", c10::DispatchKey::PrivateUse1, TORCH_FN(backward_update));

@@ -6,6 +6,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.modules.embedding_configs import DataType, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from sparsecore.config import SparseCoreEmbeddingConfig
 from sparsecore.errors import InputError
 from sparsecore.modules import SparseCoreEmbeddingBagCollection
 
@@ -52,6 +53,17 @@ def test_sum_mean_shared_and_stacked_tables(num_sparsecores):
     assert len(engine.stacks) == 2  # the two dim-8 tables share one physical table
     for seed in range(3):
         assert_same(reference, engine, random_kjt(TABLES, batch=7, seed=seed))
+
+
+@pytest.mark.parametrize("num_sparsecores", [1, 4])
+def test_many_bags_split_across_threads(num_sparsecores):
+    # 700 samples x 4 features: the lookup splits the bags into ranges that threads take, across receivers.
+    roomy = [SparseCoreEmbeddingConfig(config=t, max_ids_per_partition=10**5, max_unique_ids_per_partition=10**5)
+             for t in TABLES]
+    reference = EmbeddingBagCollection(tables=TABLES)
+    engine = SparseCoreEmbeddingBagCollection(roomy, device="tpu", num_sparsecores=num_sparsecores)
+    engine.load_state_dict(reference.state_dict())
+    assert_same(reference, engine, random_kjt(TABLES, batch=700, seed=5, max_len=12))
 
 
 def test_weighted_features():

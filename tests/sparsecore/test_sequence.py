@@ -1,5 +1,6 @@
 """SparseCoreEmbeddingCollection against torchrec.EmbeddingCollection (sequence features)."""
 
+import pytest
 import torch
 from torchrec import EmbeddingCollection, EmbeddingConfig
 
@@ -21,11 +22,12 @@ def pair(**kw):
     return reference, engine
 
 
-def test_forward_matches_torchrec():
+@pytest.mark.parametrize("batch", [5, 400])  # 400: many bags, split across threads
+def test_forward_matches_torchrec(batch):
     reference, engine = pair()
     assert list(engine.state_dict()) == list(reference.state_dict())
     for seed in range(3):
-        kjt = random_kjt(TABLES, batch=5, seed=seed)
+        kjt = random_kjt(TABLES, batch=batch, seed=seed)
         expected, actual = reference(kjt), engine(kjt)
         assert list(actual) == list(expected)
         for key in expected:
