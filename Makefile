@@ -29,7 +29,7 @@ torch_tpu/_core.so: $(VENV)/.installed $(CORE_SOURCES)
 	touch $@
 
 demo: setup
-	$(PY) -m models.demo
+	$(PY) -m models.train
 
 test: setup
 	$(PY) -m pytest -q -m "not slow and not timing"

@@ -13,7 +13,7 @@ from sparsecore import optim
 from sparsecore.errors import ConfigError, InputError, PartitionLimitError, SparseCoreError
 from sparsecore.convert import from_torchrec, to_torchrec
 from sparsecore.modules import SparseCoreEmbeddingBagCollection, SparseCoreEmbeddingCollection
-from sparsecore.preprocess import PartitionStats, PreprocessedBatch, StackBatch, preprocess_stacks
+from sparsecore.preprocess import PartitionStats, PreprocessedBatch, Preprocessor, StackBatch, preprocess_stacks
 from sparsecore.stacking import StackSpec, TablePlacement, plan_stacks
 
 def preprocess(features, module) -> PreprocessedBatch:
@@ -33,6 +33,7 @@ __all__ = [
     "PartitionLimitError",
     "PartitionStats",
     "PreprocessedBatch",
+    "Preprocessor",
     "SparseCoreEmbeddingConfig",
     "SparseCoreError",
     "StackBatch",

@@ -23,7 +23,7 @@ from sparsecore.fused import fused_lookup, placeholder
 from sparsecore.fused_optimizer import FusedOptimizer, StepCount, TableState
 from sparsecore.kernels import lookup
 from sparsecore.optim import Optimizer, from_torch_optim
-from sparsecore.preprocess import PreprocessedBatch, StackBatch, preprocess_stacks
+from sparsecore.preprocess import PreprocessedBatch, Preprocessor, StackBatch, preprocess_stacks
 from sparsecore.stacking import StackSpec, plan_stacks
 
 
@@ -186,6 +186,11 @@ class SparseCoreCollection(nn.Module):
     def preprocess(self, features: KeyedJaggedTensor) -> PreprocessedBatch:
         device = self._device if self._device.type != "meta" else torch.device("cpu")
         return preprocess_stacks(features, self._stacks, allow_id_dropping=self._allow_id_dropping, device=device)
+
+    def preprocessor(self) -> Preprocessor:
+        """What a data loader needs to preprocess ahead for this module (host buffers; the
+        forward moves them to the device)."""
+        return Preprocessor(tuple(self._stacks), self._allow_id_dropping)
 
     def _lookup(self, stack: StackSpec, coo: StackBatch) -> torch.Tensor:
         """(bags, dim) rows of one stack; trains the stack in the backward if there is an optimizer."""

@@ -318,6 +318,18 @@ def _view_kjt(kjt: KeyedJaggedTensor, stacks: Sequence[StackSpec]) -> KjtView:
                    index={k: i for i, k in enumerate(keys)}, batch_size=batch_size)
 
 
+@dataclasses.dataclass(frozen=True)
+class Preprocessor:
+    """Host preprocessing for one module's stacks, as plain data: a loader's worker
+    processes hold this rather than the module (and its tables)."""
+
+    stacks: tuple[StackSpec, ...]
+    allow_id_dropping: bool = False
+
+    def __call__(self, kjt: KeyedJaggedTensor) -> PreprocessedBatch:
+        return preprocess_stacks(kjt, self.stacks, allow_id_dropping=self.allow_id_dropping, device="cpu")
+
+
 def preprocess_stacks(
     kjt: KeyedJaggedTensor, stacks: Sequence[StackSpec], *, allow_id_dropping: bool = False,
     device: torch.device | str = "cpu",

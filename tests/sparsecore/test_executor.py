@@ -6,6 +6,7 @@ import pytest
 import torch
 from torchrec import EmbeddingBagConfig
 
+from sparsecore import optim
 from sparsecore.config import SparseCoreEmbeddingConfig
 from sparsecore.executor import executor_for
 from sparsecore.modules import SparseCoreEmbeddingBagCollection
@@ -20,6 +21,14 @@ def test_forward_async_equals_forward_and_synchronize_waits():
     assert future.done()
     torch.testing.assert_close(future.result().values().cpu(), engine(kjt).values().cpu())
     assert executor_for("tpu").stream.device_type == torch.tpu.current_stream().device_type
+
+
+def test_forward_async_keeps_the_callers_grad_mode():
+    engine = SparseCoreEmbeddingBagCollection(TABLES, optimizer=optim.SGD(lr=0.1), device="tpu")
+    kjt = random_kjt(TABLES, batch=8)
+    with torch.no_grad():
+        assert not engine.forward_async(kjt).result(timeout=10).values().requires_grad
+    assert engine.forward_async(kjt).result(timeout=10).values().requires_grad
 
 
 def test_executor_work_is_ordered_and_errors_surface():

@@ -1,0 +1,71 @@
+"""DLRM and DLRM-DCNv2 with their embeddings on the SparseCore engine.
+
+The constructors, submodule names (so ``state_dict`` keys) and the
+``forward(dense_features, sparse_features)`` contract are TorchRec's
+(``torchrec.models.dlrm``): these classes subclass TorchRec's and only change
+how a step runs. The sparse lookup is submitted to the SparseCore executor
+first and the dense arch runs on the TensorCore meanwhile; the pooled
+embeddings come back as one ``(B, F x D)`` block that is viewed as
+``(B, F, D)`` without TorchRec's per-feature split and concatenation.
+``sparse_features`` may also be a ``sparsecore.PreprocessedBatch`` that a
+loader prepared ahead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torchrec.models import dlrm as torchrec_dlrm
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from sparsecore import PreprocessedBatch, SparseCoreEmbeddingBagCollection
+
+
+def _check_engine(ebc) -> None:
+    if not isinstance(ebc, SparseCoreEmbeddingBagCollection):
+        raise TypeError(f"embedding_bag_collection must be a sparsecore.SparseCoreEmbeddingBagCollection, "
+                        f"got {type(ebc).__name__}; use torchrec.models.dlrm for TorchRec's own modules")
+
+
+class _SparseCoreForward:
+    """The step both models share: overlapped lookup, then interaction and over arch."""
+
+    def _embedded_sparse(self, sparse_features):
+        """Starts the lookup on the SparseCore executor; returns a function giving (B, F, D)."""
+        ebc = self.sparse_arch.embedding_bag_collection
+        F, D = self.sparse_arch.F, self.sparse_arch.D
+        if ebc._device.type == "tpu":
+            future = ebc.forward_async(sparse_features)
+            result = future.result
+        else:
+            pooled = ebc(sparse_features)
+            result = lambda: pooled  # noqa: E731
+        return lambda: result().values().view(-1, F, D)
+
+    def forward(self, dense_features: torch.Tensor,
+                sparse_features: KeyedJaggedTensor | PreprocessedBatch) -> torch.Tensor:
+        embedded_sparse = self._embedded_sparse(sparse_features)
+        embedded_dense = self.dense_arch(dense_features)
+        interacted = self.inter_arch(dense_features=embedded_dense, sparse_features=embedded_sparse())
+        return self.over_arch(interacted)
+
+
+class DLRM(_SparseCoreForward, torchrec_dlrm.DLRM):
+    """DLRM (dot interaction) over a ``SparseCoreEmbeddingBagCollection``; arguments as TorchRec's DLRM."""
+
+    def __init__(self, embedding_bag_collection: SparseCoreEmbeddingBagCollection, dense_in_features: int,
+                 dense_arch_layer_sizes: list[int], over_arch_layer_sizes: list[int],
+                 dense_device: torch.device | None = None) -> None:
+        _check_engine(embedding_bag_collection)
+        super().__init__(embedding_bag_collection, dense_in_features, dense_arch_layer_sizes,
+                         over_arch_layer_sizes, dense_device)
+
+
+class DLRM_DCN(_SparseCoreForward, torchrec_dlrm.DLRM_DCN):
+    """DLRM with a low-rank DCNv2 interaction (the MLPerf model); arguments as TorchRec's DLRM_DCN."""
+
+    def __init__(self, embedding_bag_collection: SparseCoreEmbeddingBagCollection, dense_in_features: int,
+                 dense_arch_layer_sizes: list[int], over_arch_layer_sizes: list[int], dcn_num_layers: int,
+                 dcn_low_rank_dim: int, dense_device: torch.device | None = None) -> None:
+        _check_engine(embedding_bag_collection)
+        super().__init__(embedding_bag_collection, dense_in_features, dense_arch_layer_sizes,
+                         over_arch_layer_sizes, dcn_num_layers, dcn_low_rank_dim, dense_device)

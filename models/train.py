@@ -1,0 +1,450 @@
+"""DLRM / DLRM-DCNv2 training on the tpu device: ``python -m models.train [flags]``.
+
+The defaults train a small DLRM on planted synthetic data (data.synthetic) on
+``tpu`` in about a minute here, and report how close its validation AUC gets
+to the teacher's, the best any model can reach on that data. ``--data`` takes
+a synthetic preset or a store written by ``python -m data.criteo preprocess``.
+
+Embeddings train on the SparseCore engine with their optimizer fused into
+the backward; the dense arch trains with a torch.optim optimizer on the
+TensorCore. Progress goes to a tqdm bar; validation metrics (AUC, log loss)
+and throughput are appended to ``metrics.jsonl``; checkpoints are atomic and
+resuming continues the exact run (same batches, same updates). Ctrl-C
+finishes the current step, writes a checkpoint and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torchrec import EmbeddingBagConfig
+from tqdm import tqdm
+
+import sparsecore
+from data import schema
+from data.loader import ArraySource, BatchLoader, Source
+from data.synthetic import PRESETS, SyntheticConfig, SyntheticCriteo
+from models import checkpoint
+from models.dlrm import DLRM, DLRM_DCN
+from models.evaluation import evaluate
+
+logger = logging.getLogger(__name__)
+
+EMBEDDING_OPTIMIZERS = {
+    "sgd": lambda lr: sparsecore.optim.SGD(lr=lr),
+    "adagrad": lambda lr: sparsecore.optim.Adagrad(lr=lr),
+    "rowwise_adagrad": lambda lr: sparsecore.optim.RowWiseAdagrad(lr=lr),
+    "adam": lambda lr: sparsecore.optim.Adam(lr=lr),
+}
+DENSE_OPTIMIZERS = {
+    "sgd": torch.optim.SGD,
+    "adagrad": torch.optim.Adagrad,
+    "adam": torch.optim.Adam,
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    model: str = "dlrm"
+    """``dlrm`` (dot interaction) or ``dcn`` (low-rank DCNv2)."""
+    data: str = "synthetic:criteo-kaggle"
+    """``synthetic:<preset>`` or the path of a preprocessed store."""
+    scale: float = 1e-4
+    """Synthetic data: factor on the preset's table sizes."""
+    num_samples: int = 2_000_000
+    """Synthetic data: rows in all; the last ``val_samples`` are the validation split."""
+    val_samples: int = 65_536
+    multi_hot: bool = False
+    ids: str = "zipf"
+    batch_size: int = 2048
+    embedding_dim: int = 16
+    dense_arch: tuple[int, ...] = (64, 16)
+    over_arch: tuple[int, ...] = (64, 32, 1)
+    dcn_layers: int = 3
+    dcn_rank: int = 32
+    embedding_optimizer: str = "rowwise_adagrad"
+    embedding_lr: float = 0.2
+    dense_optimizer: str = "adam"
+    dense_lr: float = 0.005
+    epochs: int = 1
+    steps: int | None = None
+    """Stop after this many steps in all (default: the epochs' worth)."""
+    eval_interval: int = 250
+    """Validate every this many steps (and at the end); 0: only at the end."""
+    eval_batches: int | None = None
+    """Validation batches per evaluation (default: the whole split)."""
+    seed: int = 0
+    device: str = "tpu"
+    precision: str = "medium"
+    """tpu matmul precision: medium (the TPU default, bf16 MXU), high or highest."""
+    num_workers: int = 1
+    """Loader processes doing generation and SparseCore preprocessing ahead (0: in this process)."""
+    checkpoint_dir: str | None = None
+    checkpoint_interval: int = 500
+    resume: bool = False
+    metrics_file: str | None = None
+    """JSON lines of metrics (default: <checkpoint_dir>/metrics.jsonl when there is a checkpoint dir)."""
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.model not in ("dlrm", "dcn"):
+            raise ValueError(f"model {self.model!r}: expected 'dlrm' or 'dcn'")
+        if self.embedding_optimizer not in EMBEDDING_OPTIMIZERS:
+            raise ValueError(f"embedding_optimizer {self.embedding_optimizer!r}: expected one of {sorted(EMBEDDING_OPTIMIZERS)}")
+        if self.dense_optimizer not in DENSE_OPTIMIZERS:
+            raise ValueError(f"dense_optimizer {self.dense_optimizer!r}: expected one of {sorted(DENSE_OPTIMIZERS)}")
+        if self.dense_arch[-1] != self.embedding_dim:
+            raise ValueError(f"the dense arch must end at the embedding dim ({self.embedding_dim}), got {self.dense_arch}")
+        if self.over_arch[-1] != 1:
+            raise ValueError(f"the over arch must end in one logit, got {self.over_arch}")
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("resume needs a checkpoint_dir")
+
+    def comparable(self) -> dict[str, Any]:
+        """What a checkpoint must agree on to be resumed (not run length or bookkeeping)."""
+        fixed = dataclasses.asdict(self)
+        for key in ("epochs", "steps", "eval_interval", "eval_batches", "num_workers", "checkpoint_dir",
+                    "checkpoint_interval", "resume", "metrics_file", "progress"):
+            fixed.pop(key)
+        return fixed
+
+
+# ---------------------------------------------------------------- data
+
+
+class RowRange:
+    """Rows [start, stop) of another Source."""
+
+    def __init__(self, source: Source, start: int, stop: int):
+        self.source, self.start, self.stop = source, start, stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def rows(self, start: int, stop: int):
+        return self.source.rows(self.start + start, self.start + stop)
+
+
+@dataclasses.dataclass
+class Data:
+    train: Source
+    val: Source
+    table_sizes: tuple[int, ...]
+    pooling: tuple[int, ...]
+    teacher_auc: float | None = None
+
+
+def build_data(cfg: TrainConfig) -> Data:
+    if cfg.data.startswith("synthetic:"):
+        preset = cfg.data.removeprefix("synthetic:")
+        if preset not in PRESETS:
+            raise ValueError(f"--data {cfg.data!r}: unknown preset; expected synthetic:{{{','.join(sorted(PRESETS))}}}")
+        if cfg.val_samples >= cfg.num_samples:
+            raise ValueError(f"val_samples {cfg.val_samples} must be fewer than num_samples {cfg.num_samples}")
+        source = SyntheticCriteo(SyntheticConfig(preset=preset, scale=cfg.scale, num_samples=cfg.num_samples,
+                                                 multi_hot=cfg.multi_hot, ids=cfg.ids, seed=cfg.seed))
+        split = cfg.num_samples - cfg.val_samples
+        return Data(train=RowRange(source, 0, split), val=RowRange(source, split, cfg.num_samples),
+                    table_sizes=source.table_sizes, pooling=source.pooling,
+                    teacher_auc=source.teacher_auc(split, cfg.num_samples))
+    from data.arrays import open_arrays
+
+    splits = open_arrays(Path(cfg.data))
+    train = splits["train"]
+    return Data(train=ArraySource(train), val=ArraySource(splits["val"]), table_sizes=tuple(train.table_sizes),
+                pooling=(1,) * schema.NUM_SPARSE)
+
+
+# ---------------------------------------------------------------- model
+
+
+def build_model(cfg: TrainConfig, data: Data, device: torch.device) -> torch.nn.Module:
+    # The SparseCore id limits only check; set them to what a batch can carry at
+    # most (all features of the stacked tables count against one partition).
+    limit = cfg.batch_size * sum(data.pooling)
+    tables = [
+        sparsecore.SparseCoreEmbeddingConfig(
+            config=EmbeddingBagConfig(name=f"t_{name}", num_embeddings=rows, embedding_dim=cfg.embedding_dim,
+                                      feature_names=[name]),
+            max_ids_per_partition=limit, max_unique_ids_per_partition=limit)
+        for name, rows in zip(schema.SPARSE_NAMES, data.table_sizes)
+    ]
+    torch.manual_seed(cfg.seed)  # dense init and table init (init_fn) are seeded
+    ebc = sparsecore.SparseCoreEmbeddingBagCollection(
+        tables, EMBEDDING_OPTIMIZERS[cfg.embedding_optimizer](cfg.embedding_lr), device=device)
+    args = (ebc, schema.NUM_DENSE, list(cfg.dense_arch), list(cfg.over_arch))
+    model = DLRM(*args) if cfg.model == "dlrm" else DLRM_DCN(*args, dcn_num_layers=cfg.dcn_layers,
+                                                              dcn_low_rank_dim=cfg.dcn_rank)
+    return model.to(device)
+
+
+def dense_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Everything but the SparseCore tables (those train in the backward, by the fused optimizer)."""
+    return [p for name, p in model.named_parameters() if not name.startswith("sparse_arch.")]
+
+
+# ---------------------------------------------------------------- the run
+
+
+class _Interrupt:
+    """SIGINT sets a flag the loop checks between steps, so no step is cut in half."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self) -> _Interrupt:
+        def handler(signum, frame):  # noqa: ARG001
+            if self.requested:  # a second Ctrl-C: stop now
+                raise KeyboardInterrupt
+            self.requested = True
+            logger.warning("interrupt: finishing the step, then saving a checkpoint")
+
+        try:
+            self._previous = signal.signal(signal.SIGINT, handler)
+        except ValueError:  # not the main thread: leave signals alone
+            self._previous = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.data = build_data(cfg)
+        self.model = build_model(cfg, self.data, self.device)
+        self.ebc = self.model.sparse_arch.embedding_bag_collection
+        self.dense_opt = DENSE_OPTIMIZERS[cfg.dense_optimizer](dense_parameters(self.model), lr=cfg.dense_lr)
+        workers = cfg.num_workers
+        self.train_loader = BatchLoader(self.data.train, cfg.batch_size, seed=cfg.seed, shuffle=True,
+                                        preprocessor=self.ebc.preprocessor(), num_workers=workers)
+        self.val_loader = BatchLoader(self.data.val, cfg.batch_size, shuffle=False,
+                                      preprocessor=self.ebc.preprocessor(), num_workers=workers)
+        per_epoch = len(self.train_loader)
+        self.total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * per_epoch
+        self.step = 0
+        self.checkpoint_path = Path(cfg.checkpoint_dir) / checkpoint.FILENAME if cfg.checkpoint_dir else None
+        metrics = cfg.metrics_file or (str(Path(cfg.checkpoint_dir) / "metrics.jsonl") if cfg.checkpoint_dir else None)
+        self.metrics_path = Path(metrics) if metrics else None
+        self.losses: list[float] = []
+        if cfg.resume:
+            self._restore()
+
+    # ---- checkpoints ----
+
+    def _save(self) -> None:
+        if self.checkpoint_path is None:
+            return
+        checkpoint.save(self.checkpoint_path, {
+            "config": self.cfg.comparable(),
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "embedding_optimizer": self.ebc.fused_optimizer.state_dict(),
+            "dense_optimizer": self.dense_opt.state_dict(),
+        })
+        logger.info("checkpoint at step %d: %s", self.step, self.checkpoint_path)
+
+    def _restore(self) -> None:
+        payload = checkpoint.load(self.checkpoint_path)
+        if payload["config"] != self.cfg.comparable():
+            changed = sorted(k for k in self.cfg.comparable() if payload["config"].get(k) != self.cfg.comparable()[k])
+            raise checkpoint.CheckpointError(
+                f"{self.checkpoint_path} was written by a run with different settings ({', '.join(changed)}); "
+                "resume with the same settings or use another --checkpoint-dir")
+        self.model.load_state_dict(payload["model"])
+        self.ebc.fused_optimizer.load_state_dict(payload["embedding_optimizer"])
+        self.dense_opt.load_state_dict(payload["dense_optimizer"])
+        self.step = int(payload["step"])
+        logger.info("resumed from %s at step %d", self.checkpoint_path, self.step)
+
+    # ---- metrics ----
+
+    def _record(self, entry: dict[str, Any]) -> None:
+        if self.metrics_path is None:
+            return
+        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+    def validate(self) -> dict[str, float]:
+        batches = iter(self.val_loader)
+        if self.cfg.eval_batches is not None:
+            batches = (b for _, b in zip(range(self.cfg.eval_batches), batches))
+        return evaluate(self.model, batches, self.device)
+
+    # ---- training ----
+
+    def _batches(self):
+        """(epoch-ordered) batches from the current step on."""
+        per_epoch = len(self.train_loader)
+        epoch, start = divmod(self.step, per_epoch)
+        while True:
+            self.train_loader.set_epoch(epoch, start)
+            yield from self.train_loader
+            epoch, start = epoch + 1, 0
+
+    def train_step(self, batch) -> float:
+        logits = self.model(batch.dense.to(self.device), batch.sparse).squeeze(-1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.to(self.device))
+        self.dense_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.dense_opt.step()
+        return loss.detach().item()
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        if self.device.type == "tpu":
+            torch.tpu.reset_peak_memory_stats(self.device)
+        summary: dict[str, Any] = {"teacher_auc": self.data.teacher_auc}
+        samples, started, window_loss, window_steps = 0, time.perf_counter(), 0.0, 0
+        bar = tqdm(total=self.total_steps, initial=self.step, unit="step", disable=not cfg.progress,
+                   dynamic_ncols=True, file=sys.stderr)
+        interrupted = False
+        with torch.tpu.precision(cfg.precision) if self.device.type == "tpu" else _nothing(), _Interrupt() as stop:
+            self.model.train()
+            batches = self._batches()
+            while self.step < self.total_steps:
+                loss = self.train_step(next(batches))
+                self.step += 1
+                self.losses.append(loss)
+                samples += cfg.batch_size
+                window_loss, window_steps = window_loss + loss, window_steps + 1
+                elapsed = time.perf_counter() - started
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{samples / elapsed:,.0f}", refresh=False)
+                last = self.step == self.total_steps
+                if (cfg.eval_interval and self.step % cfg.eval_interval == 0) or last:
+                    metrics = self.validate()
+                    entry = {"step": self.step, "train_loss": window_loss / window_steps,
+                             "samples_per_s": samples / elapsed, "val_auc": metrics["auc"],
+                             "val_log_loss": metrics["log_loss"]}
+                    self._record(entry)
+                    summary.update(entry)
+                    window_loss, window_steps = 0.0, 0
+                    bar.write(f"step {self.step}: train loss {entry['train_loss']:.4f}, val AUC {metrics['auc']:.4f}, "
+                              f"val log loss {metrics['log_loss']:.4f}")
+                if last or (self.checkpoint_path and self.step % cfg.checkpoint_interval == 0):
+                    self._save()
+                if stop.requested:
+                    self._save()
+                    interrupted = True
+                    break
+        bar.close()
+        elapsed = time.perf_counter() - started
+        summary.update({"steps": self.step, "interrupted": interrupted, "train_seconds": elapsed,
+                        "samples_per_s": samples / elapsed if elapsed > 0 else 0.0})
+        if self.device.type == "tpu":
+            summary["peak_tpu_memory_bytes"] = torch.tpu.max_memory_allocated(self.device)
+        return summary
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Runs the configured training; returns the summary (final metrics, throughput, memory)."""
+    return Trainer(cfg).run()
+
+
+# ---------------------------------------------------------------- command line
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer sizes like 64,16, got {text!r}") from None
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    defaults = TrainConfig()
+    p = argparse.ArgumentParser(prog="python -m models.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=["dlrm", "dcn"], default=defaults.model)
+    p.add_argument("--data", default=defaults.data,
+                   help=f"synthetic:{{{','.join(sorted(PRESETS))}}} or a preprocessed store (python -m data.criteo preprocess)")
+    p.add_argument("--scale", type=float, default=defaults.scale, help="synthetic: factor on the table sizes")
+    p.add_argument("--num-samples", type=int, default=defaults.num_samples, help="synthetic: rows in all")
+    p.add_argument("--val-samples", type=int, default=defaults.val_samples, help="synthetic: validation rows")
+    p.add_argument("--multi-hot", action="store_true", help="synthetic: MLPerf multi-hot sizes")
+    p.add_argument("--ids", choices=["uniform", "zipf"], default=defaults.ids, help="synthetic: id distribution")
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    p.add_argument("--embedding-dim", type=int, default=defaults.embedding_dim)
+    p.add_argument("--dense-arch", type=_sizes, default=None, help="bottom MLP, e.g. 512,256,64 (ends at the embedding dim)")
+    p.add_argument("--over-arch", type=_sizes, default=defaults.over_arch, help="top MLP, e.g. 512,256,1")
+    p.add_argument("--dcn-layers", type=int, default=defaults.dcn_layers)
+    p.add_argument("--dcn-rank", type=int, default=defaults.dcn_rank)
+    p.add_argument("--embedding-optimizer", choices=sorted(EMBEDDING_OPTIMIZERS), default=defaults.embedding_optimizer)
+    p.add_argument("--embedding-lr", type=float, default=defaults.embedding_lr)
+    p.add_argument("--dense-optimizer", choices=sorted(DENSE_OPTIMIZERS), default=defaults.dense_optimizer)
+    p.add_argument("--dense-lr", type=float, default=defaults.dense_lr)
+    p.add_argument("--epochs", type=int, default=defaults.epochs)
+    p.add_argument("--steps", type=int, default=None, help="stop after this many steps in all")
+    p.add_argument("--eval-interval", type=int, default=defaults.eval_interval)
+    p.add_argument("--eval-batches", type=int, default=None)
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--device", default=defaults.device)
+    p.add_argument("--precision", choices=["medium", "high", "highest"], default=defaults.precision)
+    p.add_argument("--num-workers", type=int, default=defaults.num_workers)
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-interval", type=int, default=defaults.checkpoint_interval)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--metrics-file", default=None)
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    dense_arch = a.dense_arch or (*defaults.dense_arch[:-1], a.embedding_dim)
+    try:
+        return TrainConfig(
+            model=a.model, data=a.data, scale=a.scale, num_samples=a.num_samples, val_samples=a.val_samples,
+            multi_hot=a.multi_hot, ids=a.ids, batch_size=a.batch_size, embedding_dim=a.embedding_dim,
+            dense_arch=dense_arch, over_arch=a.over_arch, dcn_layers=a.dcn_layers, dcn_rank=a.dcn_rank,
+            embedding_optimizer=a.embedding_optimizer, embedding_lr=a.embedding_lr,
+            dense_optimizer=a.dense_optimizer, dense_lr=a.dense_lr, epochs=a.epochs, steps=a.steps,
+            eval_interval=a.eval_interval, eval_batches=a.eval_batches, seed=a.seed, device=a.device,
+            precision=a.precision, num_workers=a.num_workers, checkpoint_dir=a.checkpoint_dir,
+            checkpoint_interval=a.checkpoint_interval, resume=a.resume, metrics_file=a.metrics_file,
+            progress=not a.no_progress)
+    except ValueError as error:
+        p.error(str(error))
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    cfg = parse_args(argv)
+    try:
+        summary = train(cfg)
+    except (checkpoint.CheckpointError, FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    teacher = summary.get("teacher_auc")
+    print(f"final validation AUC {summary.get('val_auc', math.nan):.4f}"
+          + (f" (teacher, the best reachable: {teacher:.4f})" if teacher is not None else "")
+          + f", log loss {summary.get('val_log_loss', math.nan):.4f}")
+    print(f"{summary['steps']} steps, {summary['samples_per_s']:,.0f} samples/s over {summary['train_seconds']:.1f} s")
+    if "peak_tpu_memory_bytes" in summary:
+        print(f"peak tpu memory {summary['peak_tpu_memory_bytes'] / 2**20:.1f} MiB")
+    if summary["interrupted"]:
+        print(f"interrupted at step {summary['steps']}; resume with --resume")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
