@@ -51,6 +51,8 @@ class SyntheticConfig:
     scale: float = 1.0
     """Factor on every table size, e.g. ``1e-3``; tables keep at least ``min(size, min_rows)`` rows."""
     min_rows: int = 8
+    row_cap: int | None = None
+    """Cap on every table's rows after scaling (e.g. 200_000), or None."""
     num_samples: int = 1_000_000
     multi_hot: bool = False
     """False: one id per feature; True: MLPerf's multi-hot sizes (data.schema.MLPERF_MULTI_HOT_SIZES)."""
@@ -82,6 +84,8 @@ class SyntheticConfig:
             raise ValueError(f"interaction_share {self.interaction_share}: expected 0 <= share <= 1")
         if not 0 < self.ctr < 1:
             raise ValueError(f"ctr {self.ctr}: expected 0 < ctr < 1")
+        if self.row_cap is not None and self.row_cap < 1:
+            raise ValueError(f"row_cap {self.row_cap}: expected >= 1 or None")
         if self.num_samples < 0 or self.teacher_dim < 1 or self.min_rows < 1:
             raise ValueError("num_samples must be >= 0, teacher_dim and min_rows >= 1")
         if self.zipf_alpha <= 0 or self.zipf_alpha == 1.0:
@@ -89,7 +93,8 @@ class SyntheticConfig:
 
     @property
     def table_sizes(self) -> tuple[int, ...]:
-        return tuple(max(min(n, self.min_rows), int(round(n * self.scale))) for n in PRESETS[self.preset])
+        sizes = (max(min(n, self.min_rows), int(round(n * self.scale))) for n in PRESETS[self.preset])
+        return tuple(sizes if self.row_cap is None else (min(n, self.row_cap) for n in sizes))
 
     @property
     def pooling(self) -> tuple[int, ...]:
@@ -198,7 +203,8 @@ class SyntheticCriteo:
     def _hashed_rows(self, table: int, ids: np.ndarray) -> np.ndarray:
         d = self.config.teacher_dim
         key = (ids.astype(np.uint64) * np.uint64(schema.NUM_SPARSE) + np.uint64(table)) * np.uint64(d)
-        key = key[..., None] + np.arange(d, dtype=np.uint64) + np.uint64(self.config.seed) * np.uint64(0x5851F42D4C957F2D)
+        salt = np.uint64((self.config.seed * 0x5851F42D4C957F2D) & 0xFFFFFFFFFFFFFFFF)  # wraps in Python, not numpy
+        key = key[..., None] + np.arange(d, dtype=np.uint64) + salt
         h = _splitmix(key)
         # Two 26-bit uniforms -> one normal (Box-Muller).
         u1 = ((h >> np.uint64(38)).astype(np.float64) + 0.5) / float(1 << 26)

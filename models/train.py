@@ -19,7 +19,7 @@ import argparse
 import dataclasses
 import json
 import logging
-import math
+import os
 import signal
 import sys
 import time
@@ -179,9 +179,12 @@ def build_model(cfg: TrainConfig, data: Data, device: torch.device) -> torch.nn.
             max_ids_per_partition=limit, max_unique_ids_per_partition=limit)
         for name, rows in zip(schema.SPARSE_NAMES, data.table_sizes)
     ]
-    torch.manual_seed(cfg.seed)  # dense init and table init (init_fn) are seeded
+    torch.manual_seed(cfg.seed)  # the tables' init_fn draws from the device's generator
     ebc = sparsecore.SparseCoreEmbeddingBagCollection(
         tables, EMBEDDING_OPTIMIZERS[cfg.embedding_optimizer](cfg.embedding_lr), device=device)
+    # Seeded again: on cpu the table init drew from the same generator as the dense init,
+    # and the same seed must build the same model on every device.
+    torch.manual_seed(cfg.seed)
     args = (ebc, schema.NUM_DENSE, list(cfg.dense_arch), list(cfg.over_arch))
     model = DLRM(*args) if cfg.model == "dlrm" else DLRM_DCN(*args, dcn_num_layers=cfg.dcn_layers,
                                                               dcn_low_rank_dim=cfg.dcn_rank)
@@ -204,7 +207,11 @@ class _Interrupt:
         self._previous = None
 
     def __enter__(self) -> _Interrupt:
+        owner = os.getpid()
+
         def handler(signum, frame):  # noqa: ARG001
+            if os.getpid() != owner:  # a forked loader worker: the trainer handles it
+                return
             if self.requested:  # a second Ctrl-C: stop now
                 raise KeyboardInterrupt
             self.requested = True
@@ -427,7 +434,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # force: importing torchrec (fbgemm_gpu) already configured the root logger at WARNING.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
     cfg = parse_args(argv)
     try:
         summary = train(cfg)
@@ -435,9 +443,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     teacher = summary.get("teacher_auc")
-    print(f"final validation AUC {summary.get('val_auc', math.nan):.4f}"
-          + (f" (teacher, the best reachable: {teacher:.4f})" if teacher is not None else "")
-          + f", log loss {summary.get('val_log_loss', math.nan):.4f}")
+    if "val_auc" in summary:
+        print(f"final validation AUC {summary['val_auc']:.4f}"
+              + (f" (teacher, the best reachable: {teacher:.4f})" if teacher is not None else "")
+              + f", log loss {summary['val_log_loss']:.4f}")
     print(f"{summary['steps']} steps, {summary['samples_per_s']:,.0f} samples/s over {summary['train_seconds']:.1f} s")
     if "peak_tpu_memory_bytes" in summary:
         print(f"peak tpu memory {summary['peak_tpu_memory_bytes'] / 2**20:.1f} MiB")

@@ -3,44 +3,35 @@
 #include <ATen/ops/_to_copy.h>
 #include <ATen/ops/empty.h>
 
-#include <cstdint>
-#include <limits>
+#include <ATen/Context.h>
 
-extern "C" void cblas_gemm_bf16bf16f32(
-    int layout, int transa, int transb, int m, int n, int k, float alpha, const uint16_t* a,
-    int lda, const uint16_t* b, int ldb, float beta, float* c, int ldc);
+#include <algorithm>
+#include <mutex>
+
+namespace at::native {
+// Exported by libtorch_cpu (ATen/native/mkldnn/Matmul.h is not shipped):
+// result = beta * result + alpha * mat1 @ mat2 through oneDNN.
+TORCH_API void mkldnn_matmul(const Tensor& mat1, const Tensor& mat2, const Tensor& result, float beta, float alpha);
+} // namespace at::native
 
 namespace torch_tpu {
 namespace {
 
-constexpr int kRowMajor = 101;
-constexpr int kNoTrans = 111;
-constexpr int kTrans = 112;
-
-// A bf16 copy of an fp32 matrix, with the transpose flag and leading
-// dimension the GEMM needs. The copy keeps the source's layout, so a
-// transposed weight stays transposed instead of being reordered.
-struct Operand {
-  at::Tensor data;
-  int trans;
-  int64_t ld;
-};
-
-Operand as_operand(const at::Tensor& t) {
-  auto data = at::_to_copy(t, at::kBFloat16);
-  const int64_t rows = data.size(0), cols = data.size(1);
-  if (data.stride(1) == 1 && data.stride(0) >= std::max<int64_t>(cols, 1)) {
-    return {data, kNoTrans, data.stride(0)};
-  }
-  if (data.stride(0) == 1 && data.stride(1) >= std::max<int64_t>(rows, 1)) {
-    return {data, kTrans, data.stride(1)};
-  }
-  data = data.contiguous();
-  return {data, kNoTrans, cols};
+// fp32 operands already rounded to bf16 values: oneDNN's bf16 math mode then
+// multiplies them exactly on the bf16 units and accumulates in fp32, which is
+// the MXU's single pass. Strides are kept (a transposed weight stays so).
+at::Tensor rounded(const at::Tensor& t) {
+  at::Tensor r = at::_to_copy(at::_to_copy(t, at::kBFloat16), at::kFloat);
+  const bool rows = r.stride(1) == 1 && r.stride(0) >= std::max<int64_t>(r.size(1), 1);
+  const bool cols = r.stride(0) == 1 && r.stride(1) >= std::max<int64_t>(r.size(0), 1);
+  return rows || cols ? r : r.contiguous();
 }
 
-bool fits_int(int64_t v) {
-  return v >= 0 && v <= std::numeric_limits<int>::max();
+// The oneDNN math mode is a process-wide setting that ATen reads when it
+// builds the primitive: set it for this call only, one call at a time.
+std::mutex& mode_mutex() {
+  static std::mutex mu;
+  return mu;
 }
 
 } // namespace
@@ -52,11 +43,10 @@ at::Tensor bf16_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
     return {};
   }
   const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
-  if (m == 0 || n == 0 || k == 0 || !fits_int(m * k) || !fits_int(k * n) || !fits_int(m * n)) {
+  if (m == 0 || n == 0 || k == 0) {
     return {};
   }
-  const Operand lhs = as_operand(a);
-  const Operand rhs = as_operand(b);
+  const at::Tensor lhs = rounded(a), rhs = rounded(b);
   at::Tensor out;
   float gemm_beta = 0.0f;
   if (bias.defined() && beta != 0.0f) {
@@ -66,11 +56,18 @@ at::Tensor bf16_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
   } else {
     out = at::empty({m, n}, a.options());
   }
-  cblas_gemm_bf16bf16f32(
-      kRowMajor, lhs.trans, rhs.trans, static_cast<int>(m), static_cast<int>(n),
-      static_cast<int>(k), alpha, reinterpret_cast<const uint16_t*>(lhs.data.const_data_ptr()),
-      static_cast<int>(lhs.ld), reinterpret_cast<const uint16_t*>(rhs.data.const_data_ptr()),
-      static_cast<int>(rhs.ld), gemm_beta, out.mutable_data_ptr<float>(), static_cast<int>(n));
+  using at::Float32Backend, at::Float32Op, at::Float32Precision;
+  auto& ctx = at::globalContext();
+  std::lock_guard<std::mutex> lock(mode_mutex());
+  const Float32Precision previous = ctx.float32Precision(Float32Backend::MKLDNN, Float32Op::MATMUL);
+  ctx.setFloat32Precision(Float32Backend::MKLDNN, Float32Op::MATMUL, Float32Precision::BF16);
+  try {
+    at::native::mkldnn_matmul(lhs, rhs, out, gemm_beta, alpha);
+  } catch (...) {
+    ctx.setFloat32Precision(Float32Backend::MKLDNN, Float32Op::MATMUL, previous);
+    throw;
+  }
+  ctx.setFloat32Precision(Float32Backend::MKLDNN, Float32Op::MATMUL, previous);
   return out;
 }
 
