@@ -62,6 +62,23 @@ def test_medium_equals_the_bf16_rounded_reference(operands, name, fn):
     assert rel_err(fn(a, b), reference) > 1e-4
 
 
+def test_medium_rounds_each_operand_value_as_bfloat16_does():
+    # Times the identity, a medium matmul returns the bf16 rounding of its operand exactly:
+    # ties to even, large values, subnormals, transposed and sliced operands.
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(300, 37, generator=g) * 1e3
+    x[0, :4] = torch.tensor([3.38e38, 1e-40, -2.5e-39, 1.00390625])  # the last is a tie: rounds to even (1.0)
+    identity = torch.eye(300, device="tpu")
+    with torch.tpu.precision("medium"):
+        transposed = (x.to("tpu").t() @ identity).t().cpu()
+        sliced = (identity[::2, ::2] @ x.to("tpu")[::2]).cpu()
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+            identity @ x.to("tpu")[::2]
+    assert torch.equal(transposed, bf16(x))
+    assert torch.equal(sliced, bf16(x[::2]))
+    assert transposed[0, 3] == 1.0
+
+
 def test_conv_medium_and_its_backward(operands):
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(2, 3, 8, 8, generator=g), torch.randn(4, 3, 3, 3, generator=g)

@@ -1,5 +1,7 @@
 #include "TpuBf16Gemm.h"
 
+#include "TpuPrecision.h"
+
 #include <ATen/ops/_to_copy.h>
 #include <ATen/ops/empty.h>
 
@@ -21,7 +23,7 @@ namespace {
 // multiplies them exactly on the bf16 units and accumulates in fp32, which is
 // the MXU's single pass. Strides are kept (a transposed weight stays so).
 at::Tensor rounded(const at::Tensor& t) {
-  at::Tensor r = at::_to_copy(at::_to_copy(t, at::kBFloat16), at::kFloat);
+  at::Tensor r = round_to_bf16(t);
   const bool rows = r.stride(1) == 1 && r.stride(0) >= std::max<int64_t>(r.size(1), 1);
   const bool cols = r.stride(0) == 1 && r.stride(1) >= std::max<int64_t>(r.size(0), 1);
   return rows || cols ? r : r.contiguous();
@@ -43,6 +45,7 @@ at::Tensor bf16_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
     return {};
   }
   const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  TORCH_CHECK(b.size(0) == k, "mat1 and mat2 shapes cannot be multiplied (", m, "x", k, " and ", b.size(0), "x", n, ")");
   if (m == 0 || n == 0 || k == 0) {
     return {};
   }

@@ -1,9 +1,13 @@
 #include "TpuPrecision.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/ops/_to_copy.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/sub.h>
 
 #include <atomic>
+#include <cstdint>
+#include <cstring>
 
 namespace torch_tpu {
 namespace {
@@ -27,8 +31,36 @@ Precision effective_precision(const at::Tensor& a, const at::Tensor& b) {
   return matmul_precision();
 }
 
+namespace {
+
+// fp32 bits -> the fp32 bits of the nearest bf16 (ties to even), as
+// c10::BFloat16's conversion rounds; NaN becomes the canonical quiet NaN.
+inline uint32_t bf16_bits(uint32_t x) {
+  if ((x & 0x7fffffffu) > 0x7f800000u) {
+    return 0x7fc00000u;
+  }
+  return (x + 0x7fffu + ((x >> 16) & 1u)) & 0xffff0000u;
+}
+
+} // namespace
+
 at::Tensor round_to_bf16(const at::Tensor& t) {
-  return at::_to_copy(at::_to_copy(t, at::kBFloat16), at::kFloat);
+  if (t.scalar_type() != at::kFloat || !t.is_non_overlapping_and_dense()) {
+    return at::_to_copy(at::_to_copy(t, at::kBFloat16), at::kFloat);
+  }
+  // One pass over the memory the tensor spans (dense: numel elements from
+  // its data pointer), into a tensor of the same strides: the operands of
+  // every medium matmul go through here, and a round trip through a bf16
+  // tensor costs two passes and an allocation.
+  at::Tensor out = at::empty_like(t);
+  const auto* src = static_cast<const uint32_t*>(t.const_data_ptr());
+  auto* dst = static_cast<uint32_t*>(out.mutable_data_ptr());
+  at::parallel_for(0, t.numel(), 1 << 15, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      dst[i] = bf16_bits(src[i]);
+    }
+  });
+  return out;
 }
 
 } // namespace torch_tpu
