@@ -19,7 +19,10 @@ setup(
         CppExtension(
             name="torch_tpu._core",
             sources=sorted(glob.glob("torch_tpu/csrc/*.cpp")),
-            extra_compile_args=COMPILE_ARGS,
+            # at::parallel_for is inline: without OpenMP here it runs serially. No
+            # -march=native: the bf16 kernel picks its instructions at run time.
+            extra_compile_args=COMPILE_ARGS + ["-fopenmp"],
+            extra_link_args=["-fopenmp"],
         ),
         # The SparseCore engine's host preprocessing and kernels.
         CppExtension(

@@ -62,9 +62,28 @@ def test_medium_equals_the_bf16_rounded_reference(operands, name, fn):
     assert rel_err(fn(a, b), reference) > 1e-4
 
 
-def test_medium_rounds_each_operand_value_as_bfloat16_does():
-    # Times the identity, a medium matmul returns the bf16 rounding of its operand exactly:
-    # ties to even, large values, subnormals, transposed and sliced operands.
+@pytest.mark.parametrize("m, k, n", [(1, 1, 1), (9, 3, 17), (8, 64, 32), (65, 131, 33), (130, 2048, 70), (3, 7, 600)])
+def test_medium_gemm_edges(m, k, n):
+    # Row blocks, column panels and odd k of the bf16 kernel: every remainder against the reference.
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    a, b, c = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g), torch.randn(m, n, generator=g)
+    with torch.tpu.precision("medium"):
+        got = torch.addmm(c.to("tpu"), a.to("tpu"), b.to("tpu"), beta=0.5, alpha=-2).cpu()
+        got_t = (b.to("tpu").t() @ a.to("tpu").t()).t().cpu()
+    expected = torch.addmm(c, bf16(a), bf16(b), beta=0.5, alpha=-2)
+    torch.testing.assert_close(got, expected, atol=1e-4 * max(1, k ** 0.5), rtol=1e-5)
+    torch.testing.assert_close(got_t, bf16(a) @ bf16(b), atol=1e-4 * max(1, k ** 0.5), rtol=1e-5)
+
+
+def mxu_operand(t):
+    """What the MXU multiplies: the bf16 rounding, with subnormals flushed to zero."""
+    r = bf16(t)
+    return torch.where(r.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(r), r)
+
+
+def test_medium_rounds_each_operand_value_as_the_mxu_does():
+    # Times the identity, a medium matmul returns its operand as the MXU sees it, exactly:
+    # bf16 with ties to even, large values kept, subnormals flushed; transposed and sliced operands.
     g = torch.Generator().manual_seed(1)
     x = torch.randn(300, 37, generator=g) * 1e3
     x[0, :4] = torch.tensor([3.38e38, 1e-40, -2.5e-39, 1.00390625])  # the last is a tie: rounds to even (1.0)
@@ -74,9 +93,12 @@ def test_medium_rounds_each_operand_value_as_bfloat16_does():
         sliced = (identity[::2, ::2] @ x.to("tpu")[::2]).cpu()
         with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
             identity @ x.to("tpu")[::2]
-    assert torch.equal(transposed, bf16(x))
-    assert torch.equal(sliced, bf16(x[::2]))
-    assert transposed[0, 3] == 1.0
+    assert torch.equal(transposed, mxu_operand(x))
+    assert torch.equal(sliced, mxu_operand(x[::2]))
+    assert transposed[0, 3] == 1.0 and transposed[0, 0] == bf16(x)[0, 0] and transposed[0, 1] == 0
+    with torch.tpu.precision("medium"):  # the rounding path (bmm) flushes alike
+        batched = torch.bmm(x.to("tpu").t().unsqueeze(0), identity.unsqueeze(0)).squeeze(0).t().cpu()
+    assert torch.equal(batched, mxu_operand(x))
 
 
 def test_conv_medium_and_its_backward(operands):

@@ -1,5 +1,6 @@
 #include "TpuBf16Gemm.h"
 
+#include "TpuBf16Kernel.h"
 #include "TpuPrecision.h"
 
 #include <ATen/ops/_to_copy.h>
@@ -49,7 +50,6 @@ at::Tensor bf16_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
   if (m == 0 || n == 0 || k == 0) {
     return {};
   }
-  const at::Tensor lhs = rounded(a), rhs = rounded(b);
   at::Tensor out;
   float gemm_beta = 0.0f;
   if (bias.defined() && beta != 0.0f) {
@@ -59,6 +59,13 @@ at::Tensor bf16_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
   } else {
     out = at::empty({m, n}, a.options());
   }
+  if (bf16_kernel_available()) {  // packing reads any strides and rounds on the way
+    bf16_gemm_kernel(a.const_data_ptr<float>(), a.stride(0), a.stride(1), b.const_data_ptr<float>(), b.stride(0),
+                     b.stride(1), out.mutable_data_ptr<float>(), n, m, n, k, alpha, gemm_beta);
+    return out;
+  }
+  // Without AVX512-BF16: oneDNN's bf16 math mode over rounded operands.
+  const at::Tensor lhs = rounded(a), rhs = rounded(b);
   using at::Float32Backend, at::Float32Op, at::Float32Precision;
   auto& ctx = at::globalContext();
   std::lock_guard<std::mutex> lock(mode_mutex());

@@ -1,0 +1,176 @@
+#include "TpuBf16Kernel.h"
+
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace torch_tpu {
+namespace {
+
+constexpr int64_t kRows = 8;       // microkernel rows (8 x 2 accumulators)
+constexpr int64_t kCols = 32;      // microkernel columns: two 16-lane fp32 vectors
+constexpr int64_t kRowBlock = 64;  // rows a task takes: its A block stays in L2
+
+inline uint32_t pair(uint16_t lo, uint16_t hi) {
+  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+}
+
+// count fp32 values -> bf16 (ties to even; subnormals flushed, as the
+// instruction does), 16 at a time.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+void convert_run(const float* src, int64_t count, uint16_t* dst) {
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+  }
+  if (i < count) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (count - i)) - 1);
+    const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, src + i));
+    _mm256_mask_storeu_epi16(dst + i, mask, v);
+  }
+}
+
+// A strided run (a row or column of an operand) as bf16, through a
+// contiguous copy when the run is not contiguous.
+void convert_strided(const float* src, int64_t stride, int64_t count, uint16_t* dst, std::vector<float>& gather) {
+  if (stride == 1) {
+    convert_run(src, count, dst);
+    return;
+  }
+  gather.resize(count);
+  for (int64_t i = 0; i < count; ++i) gather[i] = src[i * stride];
+  convert_run(gather.data(), count, dst);
+}
+
+// The k x n right operand as bf16 pairs along k, 32 columns a panel:
+// packed[panel][k/2][32] (the layout vdpbf16ps multiplies), zero-padded.
+std::vector<uint32_t> pack_b(const float* b, int64_t sk, int64_t sn, int64_t k, int64_t n, int64_t pairs,
+                             int64_t panels) {
+  std::vector<uint32_t> out(static_cast<size_t>(panels * pairs * kCols), 0);
+  at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
+    std::vector<uint16_t> lo(kCols), hi(kCols), column(2 * pairs, 0);
+    std::vector<float> gather;
+    for (int64_t p = first; p < last; ++p) {
+      uint32_t* dst = out.data() + p * pairs * kCols;
+      const int64_t j0 = p * kCols, cols = std::min(kCols, n - j0);
+      if (sk == 1 && sn != 1) {  // a transposed b: its columns are contiguous runs along k
+        for (int64_t c = 0; c < cols; ++c) {
+          convert_run(b + (j0 + c) * sn, k, column.data());
+          const auto* pairs_of = reinterpret_cast<const uint32_t*>(column.data());
+          for (int64_t kk = 0; kk < pairs; ++kk) dst[kk * kCols + c] = pairs_of[kk];
+        }
+        continue;
+      }
+      for (int64_t kk = 0; kk < pairs; ++kk) {  // rows k0, k1 of the panel, interleaved
+        const int64_t k0 = 2 * kk, k1 = 2 * kk + 1;
+        convert_strided(b + k0 * sk + j0 * sn, sn, cols, lo.data(), gather);
+        if (k1 < k) {
+          convert_strided(b + k1 * sk + j0 * sn, sn, cols, hi.data(), gather);
+        } else {
+          std::fill(hi.begin(), hi.end(), 0);
+        }
+        for (int64_t c = 0; c < cols; ++c) dst[kk * kCols + c] = pair(lo[c], hi[c]);
+      }
+    }
+  });
+  return out;
+}
+
+// Rows [r0, r0 + rows) of the m x k left operand as bf16 pairs along k, in
+// groups of kRows rows: block[group][k/2][kRows], zero-padded.
+void pack_a(const float* a, int64_t sm, int64_t sk, int64_t k, int64_t r0, int64_t rows, int64_t pairs,
+            uint32_t* block, std::vector<uint16_t>& scratch, std::vector<float>& gather) {
+  const int64_t padded = (rows + kRows - 1) / kRows * kRows;
+  std::fill(block, block + padded * pairs, 0u);
+  auto at = [&](int64_t r, int64_t kk) -> uint32_t& { return block[(r / kRows) * pairs * kRows + kk * kRows + r % kRows]; };
+  if (sm == 1 && sk != 1) {  // a transposed a: runs along the rows, two k at a time
+    scratch.assign(2 * rows, 0);
+    for (int64_t kk = 0; kk < pairs; ++kk) {
+      const int64_t k0 = 2 * kk, k1 = 2 * kk + 1;
+      convert_run(a + k0 * sk + r0, rows, scratch.data());
+      if (k1 < k) convert_run(a + k1 * sk + r0, rows, scratch.data() + rows);
+      else std::fill(scratch.begin() + rows, scratch.end(), 0);
+      for (int64_t r = 0; r < rows; ++r) at(r, kk) = pair(scratch[r], scratch[rows + r]);
+    }
+    return;
+  }
+  scratch.assign(2 * pairs, 0);
+  const auto* pairs_of = reinterpret_cast<const uint32_t*>(scratch.data());
+  for (int64_t r = 0; r < rows; ++r) {  // each row a run along k
+    convert_strided(a + (r0 + r) * sm, sk, k, scratch.data(), gather);
+    for (int64_t kk = 0; kk < pairs; ++kk) at(r, kk) = pairs_of[kk];
+  }
+}
+
+// c[8 x 32] = alpha * a[group: k/2 x 8 pairs] . b[panel] + beta * c, masked
+// to the valid rows and columns.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+void microkernel(const uint32_t* a, int64_t pairs, const uint32_t* b, float* c, int64_t ldc, int64_t rows,
+                 int64_t cols, float alpha, float beta) {
+  __m512 acc[kRows][2];
+  for (int r = 0; r < kRows; ++r) {
+    acc[r][0] = _mm512_setzero_ps();
+    acc[r][1] = _mm512_setzero_ps();
+  }
+  for (int64_t kk = 0; kk < pairs; ++kk) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + kk * kCols);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + kk * kCols + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[kk * kRows + r]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
+    }
+  }
+  const __mmask16 m0 = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 m1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = c + r * ldc;
+    __m512 out0 = _mm512_mul_ps(acc[r][0], va), out1 = _mm512_mul_ps(acc[r][1], va);
+    if (beta != 0.0f) {
+      out0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m0, row), vb, out0);
+      out1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m1, row + 16), vb, out1);
+    }
+    _mm512_mask_storeu_ps(row, m0, out0);
+    _mm512_mask_storeu_ps(row + 16, m1, out1);
+  }
+}
+
+} // namespace
+
+bool bf16_kernel_available() {
+  static const bool available = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+                                __builtin_cpu_supports("avx512vl");
+  return available;
+}
+
+void bf16_gemm_kernel(const float* a, int64_t sam, int64_t sak, const float* b, int64_t sbk, int64_t sbn,
+                      float* c, int64_t ldc, int64_t m, int64_t n, int64_t k, float alpha, float beta) {
+  const int64_t pairs = (k + 1) / 2;
+  const int64_t panels = (n + kCols - 1) / kCols;
+  const std::vector<uint32_t> packed_b = pack_b(b, sbk, sbn, k, n, pairs, panels);
+  const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+    std::vector<uint32_t> packed_a(static_cast<size_t>(kRowBlock * pairs));
+    std::vector<uint16_t> scratch;
+    std::vector<float> gather;
+    for (int64_t blk = first; blk < last; ++blk) {
+      const int64_t r0 = blk * kRowBlock, rows = std::min(kRowBlock, m - r0);
+      pack_a(a, sam, sak, k, r0, rows, pairs, packed_a.data(), scratch, gather);
+      for (int64_t p = 0; p < panels; ++p) {
+        const int64_t j0 = p * kCols, cols = std::min(kCols, n - j0);
+        for (int64_t r = 0; r < rows; r += kRows) {
+          microkernel(packed_a.data() + r * pairs, pairs, packed_b.data() + p * pairs * kCols,
+                      c + (r0 + r) * ldc + j0, ldc, std::min(kRows, rows - r), cols, alpha, beta);
+        }
+      }
+    }
+  });
+}
+
+} // namespace torch_tpu
