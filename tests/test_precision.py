@@ -73,6 +73,10 @@ def test_medium_gemm_edges(m, k, n):
     expected = torch.addmm(c, bf16(a), bf16(b), beta=0.5, alpha=-2)
     torch.testing.assert_close(got, expected, atol=1e-4 * max(1, k ** 0.5), rtol=1e-5)
     torch.testing.assert_close(got_t, bf16(a) @ bf16(b), atol=1e-4 * max(1, k ** 0.5), rtol=1e-5)
+    a3, b3 = torch.randn(3, m, k, generator=g), torch.randn(3, n, k, generator=g).transpose(1, 2)  # b3 strided
+    with torch.tpu.precision("medium"):
+        got_b = torch.bmm(a3.to("tpu"), b3.to("tpu")).cpu()
+    torch.testing.assert_close(got_b, torch.bmm(bf16(a3), bf16(b3)), atol=1e-4 * max(1, k ** 0.5), rtol=1e-5)
 
 
 def mxu_operand(t):

@@ -81,4 +81,24 @@ at::Tensor bf16_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
   return out;
 }
 
+at::Tensor bf16_bmm(const at::Tensor& a, const at::Tensor& b) {
+  if (a.dim() != 3 || b.dim() != 3 || a.scalar_type() != at::kFloat || b.scalar_type() != at::kFloat ||
+      !bf16_kernel_available()) {
+    return {};
+  }
+  const int64_t batch = a.size(0), m = a.size(1), k = a.size(2), n = b.size(2);
+  TORCH_CHECK(b.size(0) == batch && b.size(1) == k, "Expected size for first two dimensions of batch2 tensor to be: [",
+              batch, ", ", k, "] but got: [", b.size(0), ", ", b.size(1), "].");
+  at::Tensor out = at::empty({batch, m, n}, a.options());
+  if (out.numel() == 0) {
+    return out;
+  }
+  if (k == 0) {
+    return out.zero_();
+  }
+  bf16_bmm_kernel(a.const_data_ptr<float>(), a.stride(0), a.stride(1), a.stride(2), b.const_data_ptr<float>(),
+                  b.stride(0), b.stride(1), b.stride(2), out.mutable_data_ptr<float>(), batch, m, n, k);
+  return out;
+}
+
 } // namespace torch_tpu

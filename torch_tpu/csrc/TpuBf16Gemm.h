@@ -20,4 +20,8 @@ namespace torch_tpu {
 at::Tensor bf16_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias,
                      float beta, float alpha);
 
+// bf16(a) @ bf16(b) per batch: a (B, m, k), b (B, k, n), fp32. Undefined
+// when the CPU lacks the bf16 instructions (callers use the rounding path).
+at::Tensor bf16_bmm(const at::Tensor& a, const at::Tensor& b);
+
 } // namespace torch_tpu

@@ -46,38 +46,34 @@ void convert_strided(const float* src, int64_t stride, int64_t count, uint16_t* 
   convert_run(gather.data(), count, dst);
 }
 
-// The k x n right operand as bf16 pairs along k, 32 columns a panel:
-// packed[panel][k/2][32] (the layout vdpbf16ps multiplies), zero-padded.
-std::vector<uint32_t> pack_b(const float* b, int64_t sk, int64_t sn, int64_t k, int64_t n, int64_t pairs,
-                             int64_t panels) {
-  std::vector<uint32_t> out(static_cast<size_t>(panels * pairs * kCols), 0);
-  at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
-    std::vector<uint16_t> lo(kCols), hi(kCols), column(2 * pairs, 0);
-    std::vector<float> gather;
-    for (int64_t p = first; p < last; ++p) {
-      uint32_t* dst = out.data() + p * pairs * kCols;
-      const int64_t j0 = p * kCols, cols = std::min(kCols, n - j0);
-      if (sk == 1 && sn != 1) {  // a transposed b: its columns are contiguous runs along k
-        for (int64_t c = 0; c < cols; ++c) {
-          convert_run(b + (j0 + c) * sn, k, column.data());
-          const auto* pairs_of = reinterpret_cast<const uint32_t*>(column.data());
-          for (int64_t kk = 0; kk < pairs; ++kk) dst[kk * kCols + c] = pairs_of[kk];
-        }
-        continue;
-      }
-      for (int64_t kk = 0; kk < pairs; ++kk) {  // rows k0, k1 of the panel, interleaved
-        const int64_t k0 = 2 * kk, k1 = 2 * kk + 1;
-        convert_strided(b + k0 * sk + j0 * sn, sn, cols, lo.data(), gather);
-        if (k1 < k) {
-          convert_strided(b + k1 * sk + j0 * sn, sn, cols, hi.data(), gather);
-        } else {
-          std::fill(hi.begin(), hi.end(), 0);
-        }
-        for (int64_t c = 0; c < cols; ++c) dst[kk * kCols + c] = pair(lo[c], hi[c]);
-      }
+// Panel p (32 columns) of the k x n right operand as bf16 pairs along k:
+// dst[k/2][32] (the layout vdpbf16ps multiplies), zero-padded.
+void pack_b_panel(const float* b, int64_t sk, int64_t sn, int64_t k, int64_t n, int64_t pairs, int64_t p,
+                  uint32_t* dst, std::vector<uint16_t>& scratch, std::vector<float>& gather) {
+  std::fill(dst, dst + pairs * kCols, 0u);
+  const int64_t j0 = p * kCols, cols = std::min(kCols, n - j0);
+  if (sk == 1 && sn != 1) {  // a transposed b: its columns are contiguous runs along k
+    scratch.assign(2 * pairs, 0);
+    const auto* pairs_of = reinterpret_cast<const uint32_t*>(scratch.data());
+    for (int64_t c = 0; c < cols; ++c) {
+      convert_run(b + (j0 + c) * sn, k, scratch.data());
+      for (int64_t kk = 0; kk < pairs; ++kk) dst[kk * kCols + c] = pairs_of[kk];
     }
-  });
-  return out;
+    return;
+  }
+  scratch.assign(2 * kCols, 0);
+  uint16_t* lo = scratch.data();
+  uint16_t* hi = scratch.data() + kCols;
+  for (int64_t kk = 0; kk < pairs; ++kk) {  // rows k0, k1 of the panel, interleaved
+    const int64_t k0 = 2 * kk, k1 = 2 * kk + 1;
+    convert_strided(b + k0 * sk + j0 * sn, sn, cols, lo, gather);
+    if (k1 < k) {
+      convert_strided(b + k1 * sk + j0 * sn, sn, cols, hi, gather);
+    } else {
+      std::fill(hi, hi + kCols, 0);
+    }
+    for (int64_t c = 0; c < cols; ++c) dst[kk * kCols + c] = pair(lo[c], hi[c]);
+  }
 }
 
 // Rows [r0, r0 + rows) of the m x k left operand as bf16 pairs along k, in
@@ -149,26 +145,66 @@ bool bf16_kernel_available() {
   return available;
 }
 
+namespace {
+
+struct Scratch {
+  std::vector<uint32_t> packed_a;
+  std::vector<uint16_t> convert;
+  std::vector<float> gather;
+};
+
+// Rows [r_begin, r_end) of c from packed b panels: pack each kRowBlock of a,
+// then every (8-row group, panel) pair through the microkernel.
+void gemm_rows(const float* a, int64_t sam, int64_t sak, const uint32_t* packed_b, float* c, int64_t ldc,
+               int64_t r_begin, int64_t r_end, int64_t n, int64_t k, float alpha, float beta, Scratch& s) {
+  const int64_t pairs = (k + 1) / 2, panels = (n + kCols - 1) / kCols;
+  s.packed_a.resize(static_cast<size_t>(kRowBlock * pairs));
+  for (int64_t r0 = r_begin; r0 < r_end; r0 += kRowBlock) {
+    const int64_t rows = std::min(kRowBlock, r_end - r0);
+    pack_a(a, sam, sak, k, r0, rows, pairs, s.packed_a.data(), s.convert, s.gather);
+    for (int64_t p = 0; p < panels; ++p) {
+      const int64_t j0 = p * kCols, cols = std::min(kCols, n - j0);
+      for (int64_t r = 0; r < rows; r += kRows) {
+        microkernel(s.packed_a.data() + r * pairs, pairs, packed_b + p * pairs * kCols, c + (r0 + r) * ldc + j0,
+                    ldc, std::min(kRows, rows - r), cols, alpha, beta);
+      }
+    }
+  }
+}
+
+} // namespace
+
 void bf16_gemm_kernel(const float* a, int64_t sam, int64_t sak, const float* b, int64_t sbk, int64_t sbn,
                       float* c, int64_t ldc, int64_t m, int64_t n, int64_t k, float alpha, float beta) {
-  const int64_t pairs = (k + 1) / 2;
-  const int64_t panels = (n + kCols - 1) / kCols;
-  const std::vector<uint32_t> packed_b = pack_b(b, sbk, sbn, k, n, pairs, panels);
+  const int64_t pairs = (k + 1) / 2, panels = (n + kCols - 1) / kCols;
+  std::vector<uint32_t> packed_b(static_cast<size_t>(panels * pairs * kCols));
+  at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
+    Scratch s;
+    for (int64_t p = first; p < last; ++p) {
+      pack_b_panel(b, sbk, sbn, k, n, pairs, p, packed_b.data() + p * pairs * kCols, s.convert, s.gather);
+    }
+  });
   const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
   at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
-    std::vector<uint32_t> packed_a(static_cast<size_t>(kRowBlock * pairs));
-    std::vector<uint16_t> scratch;
-    std::vector<float> gather;
-    for (int64_t blk = first; blk < last; ++blk) {
-      const int64_t r0 = blk * kRowBlock, rows = std::min(kRowBlock, m - r0);
-      pack_a(a, sam, sak, k, r0, rows, pairs, packed_a.data(), scratch, gather);
+    Scratch s;
+    gemm_rows(a, sam, sak, packed_b.data(), c, ldc, first * kRowBlock, std::min(m, last * kRowBlock), n, k, alpha,
+              beta, s);
+  });
+}
+
+void bf16_bmm_kernel(const float* a, int64_t sab, int64_t sam, int64_t sak, const float* b, int64_t sbb,
+                     int64_t sbk, int64_t sbn, float* c, int64_t batch, int64_t m, int64_t n, int64_t k) {
+  const int64_t pairs = (k + 1) / 2, panels = (n + kCols - 1) / kCols;
+  // Small matrices (DLRM's interaction: 27 x 64 per sample): one thread per
+  // matrix, packing and multiplying it whole.
+  at::parallel_for(0, batch, 16, [&](int64_t first, int64_t last) {
+    Scratch s;
+    std::vector<uint32_t> packed_b(static_cast<size_t>(panels * pairs * kCols));
+    for (int64_t i = first; i < last; ++i) {
       for (int64_t p = 0; p < panels; ++p) {
-        const int64_t j0 = p * kCols, cols = std::min(kCols, n - j0);
-        for (int64_t r = 0; r < rows; r += kRows) {
-          microkernel(packed_a.data() + r * pairs, pairs, packed_b.data() + p * pairs * kCols,
-                      c + (r0 + r) * ldc + j0, ldc, std::min(kRows, rows - r), cols, alpha, beta);
-        }
+        pack_b_panel(b + i * sbb, sbk, sbn, k, n, pairs, p, packed_b.data() + p * pairs * kCols, s.convert, s.gather);
       }
+      gemm_rows(a + i * sab, sam, sak, packed_b.data(), c + i * m * n, n, 0, m, n, k, 1.0f, 0.0f, s);
     }
   });
 }

@@ -21,4 +21,9 @@ bool bf16_kernel_available();
 void bf16_gemm_kernel(const float* a, int64_t sam, int64_t sak, const float* b, int64_t sbk, int64_t sbn,
                       float* c, int64_t ldc, int64_t m, int64_t n, int64_t k, float alpha, float beta);
 
+// c[i] = a[i] @ b[i] for i < batch: a with strides (sab, sam, sak), b with
+// (sbb, sbk, sbn), c contiguous (batch, m, n). Parallel over the batch.
+void bf16_bmm_kernel(const float* a, int64_t sab, int64_t sam, int64_t sak, const float* b, int64_t sbb,
+                     int64_t sbk, int64_t sbn, float* c, int64_t batch, int64_t m, int64_t n, int64_t k);
+
 } // namespace torch_tpu

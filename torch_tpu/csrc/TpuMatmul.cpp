@@ -67,8 +67,13 @@ at::Tensor tpu_mm(const at::Tensor& self, const at::Tensor& mat2) {
 
 at::Tensor tpu_bmm(const at::Tensor& self, const at::Tensor& mat2) {
   return on_host("bmm", {self, mat2}, [&](HostScope& s) {
-    return on_mxu(s.view(self), s.view(mat2),
-                  [](const at::Tensor& a, const at::Tensor& b, bool) { return at::bmm(a, b); });
+    const auto a = s.view(self), b = s.view(mat2);
+    if (effective_precision(a, b) == Precision::kMedium) {
+      if (auto fast = bf16_bmm(a, b); fast.defined()) {
+        return fast;
+      }
+    }
+    return on_mxu(a, b, [](const at::Tensor& a, const at::Tensor& b, bool) { return at::bmm(a, b); });
   });
 }
 
