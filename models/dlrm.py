@@ -6,7 +6,8 @@ The constructors, submodule names (so ``state_dict`` keys) and the
 how a step runs. The sparse lookup is submitted to the SparseCore executor
 first and the dense arch runs on the TensorCore meanwhile; the pooled
 embeddings come back as one ``(B, F x D)`` block that is viewed as
-``(B, F, D)`` without TorchRec's per-feature split and concatenation.
+``(B, F, D)`` without TorchRec's per-feature split and concatenation; the
+dot interaction takes its upper triangle with one flat index (DotInteraction).
 ``sparse_features`` may also be a ``sparsecore.PreprocessedBatch`` that a
 loader prepared ahead.
 """
@@ -49,6 +50,24 @@ class _SparseCoreForward:
         return self.over_arch(interacted)
 
 
+class DotInteraction(torchrec_dlrm.InteractionArch):
+    """TorchRec's dot interaction, with the upper triangle taken by one flat
+    ``index_select`` (its backward one ``index_add``) instead of two-tensor
+    advanced indexing, whose backward is a slower accumulating index_put."""
+
+    def __init__(self, num_sparse_features: int) -> None:
+        super().__init__(num_sparse_features)
+        rows, cols = self.triu_indices
+        self.register_buffer("flat_triu", rows * (self.F + 1) + cols, persistent=False)
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
+        if self.F <= 0:
+            return dense_features
+        combined = torch.cat((dense_features.unsqueeze(1), sparse_features), dim=1)
+        interactions = torch.bmm(combined, combined.transpose(1, 2)).flatten(1)
+        return torch.cat((dense_features, interactions.index_select(1, self.flat_triu)), dim=1)
+
+
 class DLRM(_SparseCoreForward, torchrec_dlrm.DLRM):
     """DLRM (dot interaction) over a ``SparseCoreEmbeddingBagCollection``; arguments as TorchRec's DLRM."""
 
@@ -58,6 +77,7 @@ class DLRM(_SparseCoreForward, torchrec_dlrm.DLRM):
         _check_engine(embedding_bag_collection)
         super().__init__(embedding_bag_collection, dense_in_features, dense_arch_layer_sizes,
                          over_arch_layer_sizes, dense_device)
+        self.inter_arch = DotInteraction(self.sparse_arch.F)
 
 
 class DLRM_DCN(_SparseCoreForward, torchrec_dlrm.DLRM_DCN):
