@@ -1,5 +1,8 @@
 """MXU precision on tpu: medium = bf16 operands, fp32 accumulation; high = 3-pass; highest = fp32."""
 
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -156,3 +159,26 @@ def test_high_and_highest_warn_once(monkeypatch):
 def test_invalid_precision_is_named():
     with pytest.raises(ValueError, match="must be one of"):
         torch.tpu.set_float32_matmul_precision("low")
+
+
+@pytest.mark.timeout(120)
+def test_medium_without_the_bf16_kernel_gives_the_same_results():
+    # The portable path (oneDNN's bf16 mode over rounded operands; rounding + fp32 bmm) in a fresh process.
+    code = (
+        "import torch, torch_tpu\n"
+        "g = torch.Generator().manual_seed(3)\n"
+        "a, b = torch.randn(70, 131, generator=g), torch.randn(131, 33, generator=g)\n"
+        "a3, b3 = torch.randn(4, 9, 17, generator=g), torch.randn(4, 17, 5, generator=g)\n"
+        "r = lambda t: t.bfloat16().float()\n"
+        "with torch.tpu.precision('medium'):\n"
+        "    got = (a.to('tpu') @ b.to('tpu').t().contiguous().t()).cpu()\n"
+        "    got3 = torch.bmm(a3.to('tpu'), b3.to('tpu')).cpu()\n"
+        "torch.testing.assert_close(got, r(a) @ r(b), atol=2e-3, rtol=1e-5)\n"
+        "torch.testing.assert_close(got3, torch.bmm(r(a3), r(b3)), atol=1e-4, rtol=1e-5)\n"
+        "assert (a @ b - r(a) @ r(b)).abs().max() > 1e-2  # the check can tell the two apart\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "TORCH_TPU_BF16_KERNEL": "0"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
