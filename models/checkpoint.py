@@ -9,7 +9,6 @@ old one, so a crash mid-write leaves the previous checkpoint as it was.
 
 from __future__ import annotations
 
-import io
 import os
 from pathlib import Path
 from typing import Any
@@ -27,12 +26,10 @@ class CheckpointError(RuntimeError):
 def save(path: Path, payload: dict[str, Any]) -> None:
     """Writes ``payload`` to ``path`` atomically (temp file + fsync + rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    buffer = io.BytesIO()
-    torch.save({"format": FORMAT, **payload}, buffer)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            f.write(buffer.getbuffer())
+        with open(tmp, "wb") as f:  # streamed: a model's tables are not copied into memory first
+            torch.save({"format": FORMAT, **payload}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -317,7 +317,8 @@ class Trainer:
         if self.device.type == "tpu":
             torch.tpu.reset_peak_memory_stats(self.device)
         summary: dict[str, Any] = {"teacher_auc": self.data.teacher_auc}
-        samples, started, window_loss, window_steps = 0, time.perf_counter(), 0.0, 0
+        # Throughput counts training steps only, not validation or checkpoints.
+        samples, train_time, window_loss, window_steps = 0, 0.0, 0.0, 0
         bar = tqdm(total=self.total_steps, initial=self.step, unit="step", disable=not cfg.progress,
                    dynamic_ncols=True, file=sys.stderr)
         interrupted = False
@@ -325,19 +326,20 @@ class Trainer:
             self.model.train()
             batches = self._batches()
             while self.step < self.total_steps:
+                started = time.perf_counter()
                 loss = self.train_step(next(batches))
+                train_time += time.perf_counter() - started
                 self.step += 1
                 self.losses.append(loss)
                 samples += cfg.batch_size
                 window_loss, window_steps = window_loss + loss, window_steps + 1
-                elapsed = time.perf_counter() - started
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{samples / elapsed:,.0f}", refresh=False)
+                bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{samples / train_time:,.0f}", refresh=False)
                 last = self.step == self.total_steps
                 if (cfg.eval_interval and self.step % cfg.eval_interval == 0) or last:
                     metrics = self.validate()
                     entry = {"step": self.step, "train_loss": window_loss / window_steps,
-                             "samples_per_s": samples / elapsed, "val_auc": metrics["auc"],
+                             "samples_per_s": samples / train_time, "val_auc": metrics["auc"],
                              "val_log_loss": metrics["log_loss"]}
                     self._record(entry)
                     summary.update(entry)
@@ -351,9 +353,8 @@ class Trainer:
                     interrupted = True
                     break
         bar.close()
-        elapsed = time.perf_counter() - started
-        summary.update({"steps": self.step, "interrupted": interrupted, "train_seconds": elapsed,
-                        "samples_per_s": samples / elapsed if elapsed > 0 else 0.0})
+        summary.update({"steps": self.step, "interrupted": interrupted, "train_seconds": train_time,
+                        "samples_per_s": samples / train_time if train_time > 0 else 0.0})
         if self.device.type == "tpu":
             summary["peak_tpu_memory_bytes"] = torch.tpu.max_memory_allocated(self.device)
         return summary
@@ -447,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"final validation AUC {summary['val_auc']:.4f}"
               + (f" (teacher, the best reachable: {teacher:.4f})" if teacher is not None else "")
               + f", log loss {summary['val_log_loss']:.4f}")
-    print(f"{summary['steps']} steps, {summary['samples_per_s']:,.0f} samples/s over {summary['train_seconds']:.1f} s")
+    print(f"{summary['steps']} steps, {summary['samples_per_s']:,.0f} samples/s ({summary['train_seconds']:.1f} s in training steps)")
     if "peak_tpu_memory_bytes" in summary:
         print(f"peak tpu memory {summary['peak_tpu_memory_bytes'] / 2**20:.1f} MiB")
     if summary["interrupted"]:
