@@ -15,7 +15,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace sparsecore {
 namespace {
@@ -47,6 +52,23 @@ std::vector<std::pair<int64_t, int64_t>> groups(const int32_t* row_pointers, int
     }
   }
   return out;
+}
+
+// A bag's output row, written once. Whole 64-byte lines are streamed past the
+// cache: the rows of a batch are scattered over a large output and are not
+// read again here, so reading each line in before overwriting it (what a
+// normal store does) would double the output's memory traffic.
+template <int64_t kDim>
+inline void store_row(float* __restrict dst, const float* __restrict acc, int64_t dim) {
+#ifdef __AVX512F__
+  if constexpr (kDim > 0 && kDim % 16 == 0) {
+    if ((reinterpret_cast<uintptr_t>(dst) & 63) == 0) {
+      for (int64_t d = 0; d < kDim; d += 16) _mm512_stream_ps(dst + d, _mm512_loadu_ps(acc + d));
+      return;
+    }
+  }
+#endif
+  for (int64_t d = 0; d < dim; ++d) dst[d] = acc[d];
 }
 
 struct Coo {
@@ -104,9 +126,11 @@ void lookup_bags(const Coo& coo, const scalar_t* table, int64_t runtime_dim, flo
       }
       cursor[g] = e;
     }
-    float* dst = out + coo.row_of(bag) * dim;
-    for (int64_t d = 0; d < dim; ++d) dst[d] = acc[d];
+    store_row<kDim>(out + coo.row_of(bag) * dim, acc, dim);
   }
+#ifdef __AVX512F__
+  _mm_sfence();  // the streaming stores are visible before the caller reads the output
+#endif
 }
 
 at::Tensor lookup(const at::Tensor& weight, const at::Tensor& row_pointers,
