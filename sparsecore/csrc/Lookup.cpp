@@ -8,6 +8,8 @@
 // its SparseCores are summed in registers and its output row is written once,
 // as an embedding_bag kernel does, rather than read and written per entry.
 
+#include "Layout.h"
+
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -25,7 +27,6 @@
 namespace sparsecore {
 namespace {
 
-constexpr int64_t kAlignment = 8;
 // Entries of a group fetched ahead of use: random rows come from DRAM, and
 // keeping several requests in flight is what makes a gather fast.
 constexpr int64_t kPrefetchDistance = 32;
@@ -37,21 +38,6 @@ inline void prefetch_row(const scalar_t* row, int64_t dim) {
   for (int64_t offset = 0; offset < dim * static_cast<int64_t>(sizeof(scalar_t)); offset += 64) {
     __builtin_prefetch(p + offset, 0, 0);
   }
-}
-
-// [begin, end) of every (receiver, owner) group in the flat buffers.
-std::vector<std::pair<int64_t, int64_t>> groups(const int32_t* row_pointers, int64_t n, int64_t width) {
-  std::vector<std::pair<int64_t, int64_t>> out;
-  out.reserve(n * n);
-  for (int64_t s = 0; s < n; ++s) {
-    int64_t start = 0;
-    for (int64_t o = 0; o < n; ++o) {
-      const int64_t end = row_pointers[s * n + o];
-      out.emplace_back(s * width + start, s * width + end);
-      start = (end + kAlignment - 1) / kAlignment * kAlignment;
-    }
-  }
-  return out;
 }
 
 // A bag's output row, written once. Whole 64-byte lines are streamed past the
@@ -72,15 +58,13 @@ inline void store_row(float* __restrict dst, const float* __restrict acc, int64_
 }
 
 struct Coo {
-  int64_t row_of(int64_t bag) const { return bag % batch_size * slots + bag / batch_size; }
   const int32_t* ids;
   const int32_t* samples;
   const float* gains;
   std::vector<std::pair<int64_t, int64_t>> spans;
   int64_t n;
   int64_t rows_per_sc;
-  int64_t batch_size;  // bag f * batch_size + b is output row b * slots + f
-  int64_t slots;
+  OutputRows row_of;
 };
 
 // kDim > 0: the row width known at compile time, so the accumulator lives in
@@ -148,8 +132,8 @@ at::Tensor lookup(const at::Tensor& weight, const at::Tensor& row_pointers,
   const auto samples = sample_ids.contiguous();
   const auto gn = gains.contiguous();
   const Coo coo{ids.const_data_ptr<int32_t>(), samples.const_data_ptr<int32_t>(), gn.const_data_ptr<float>(),
-                groups(rp.const_data_ptr<int32_t>(), n, width), n, weight.size(0) / n,
-                std::max<int64_t>(batch_size, 1), batch_size > 0 ? num_bags / batch_size : 0};
+                group_spans(rp.const_data_ptr<int32_t>(), n, width), n, weight.size(0) / n,
+                OutputRows{std::max<int64_t>(batch_size, 1), batch_size > 0 ? num_bags / batch_size : 0}};
   float* op = out.mutable_data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "sparsecore_lookup", [&] {
     const scalar_t* table = weight.const_data_ptr<scalar_t>();

@@ -9,6 +9,8 @@
 // partition in bag order, which the lookup relies on) and writes them there.
 // Distinct rows per partition are counted with a bitmap over the rows.
 
+#include "Layout.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -26,7 +28,6 @@
 namespace sparsecore {
 namespace {
 
-constexpr int64_t kAlignment = 8;
 
 enum Combiner : int64_t { kSum = 0, kMean = 1, kSqrtn = 2 };
 
@@ -200,7 +201,7 @@ Buffers allocate(const std::vector<int64_t>& totals, int64_t n, std::vector<int6
     for (int64_t o = 0; o < n; ++o) {
       group_start[s * n + o] = offset;
       rp[s * n + o] = static_cast<int32_t>(offset + totals[s * n + o]);
-      offset += (totals[s * n + o] + kAlignment - 1) / kAlignment * kAlignment;
+      offset += align_up(totals[s * n + o]);
     }
     width = std::max(width, offset);
   }

@@ -8,6 +8,8 @@
 // sum a run's gradients, step the optimizer on its row, with the rows ahead
 // prefetched. One parameterised kernel serves every optimizer.
 
+#include "Layout.h"
+
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -19,7 +21,6 @@
 namespace sparsecore {
 namespace {
 
-constexpr int64_t kAlignment = 8;
 constexpr size_t kPrefetchDistance = 8;
 
 inline void prefetch(const void* p, int64_t bytes) {
@@ -127,16 +128,15 @@ void backward_update(const at::Tensor& weight, at::TensorList state, const at::T
   const int64_t width = embedding_ids.size(1);
   const int64_t dim = weight.size(1);
   const int64_t rows_per_sc = weight.size(0) / n;
-  // Bag f * batch_size + b has its gradient in row b * slots + f (see Lookup.cpp).
+  // A bag's gradient is in the output row the lookup wrote it to.
   const int64_t bags_per_slot = std::max<int64_t>(batch_size, 1);
-  const int64_t slots = grad_output.size(0) / bags_per_slot;
-  auto grad_row = [&](int64_t bag) { return bag % bags_per_slot * slots + bag / bags_per_slot; };
+  const OutputRows grad_row{bags_per_slot, grad_output.size(0) / bags_per_slot};
   const auto grad = grad_output.contiguous().to(at::kFloat);
   const auto rp = row_pointers.contiguous();
   const auto ids = embedding_ids.contiguous();
   const auto samples = sample_ids.contiguous();
   const auto gn = gains.contiguous();
-  const int32_t* rpp = rp.const_data_ptr<int32_t>();
+  const auto spans = group_spans(rp.const_data_ptr<int32_t>(), n, width);
   const int32_t* idp = ids.const_data_ptr<int32_t>();
   const int32_t* sp = samples.const_data_ptr<int32_t>();
   const float* gp = gn.const_data_ptr<float>();
@@ -158,8 +158,8 @@ void backward_update(const at::Tensor& weight, at::TensorList state, const at::T
         const int64_t owner = task / buckets, bucket = task % buckets;
         keys.clear();
         for (int64_t s = 0; s < n; ++s) {
-          const int64_t start = owner == 0 ? 0 : (rpp[s * n + owner - 1] + kAlignment - 1) / kAlignment * kAlignment;
-          for (int64_t e = s * width + start; e < s * width + rpp[s * n + owner]; ++e) {
+          const auto [begin, end] = spans[s * n + owner];
+          for (int64_t e = begin; e < end; ++e) {
             if (idp[e] % buckets == bucket) {
               keys.push_back(static_cast<uint64_t>(idp[e]) << 32 | static_cast<uint64_t>(e));
             }

@@ -1,0 +1,43 @@
+#pragma once
+// The CSR-wrapped COO layout the kernels share (sparsecore/preprocess.py
+// describes it): receiver s's buffer holds its owner groups one after
+// another, each starting at a multiple of kAlignment; row_pointers[s, o] is
+// where group (s, o) ends within the receiver's row of width entries.
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace sparsecore {
+
+constexpr int64_t kAlignment = 8;
+
+inline int64_t align_up(int64_t x) {
+  return (x + kAlignment - 1) / kAlignment * kAlignment;
+}
+
+// [begin, end) of every (receiver, owner) group in the flat (n x width) buffers, receiver-major.
+inline std::vector<std::pair<int64_t, int64_t>> group_spans(const int32_t* row_pointers, int64_t n, int64_t width) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  out.reserve(n * n);
+  for (int64_t s = 0; s < n; ++s) {
+    int64_t start = 0;
+    for (int64_t o = 0; o < n; ++o) {
+      const int64_t end = row_pointers[s * n + o];
+      out.emplace_back(s * width + start, s * width + end);
+      start = align_up(end);
+    }
+  }
+  return out;
+}
+
+// Bags are feature-major (bag f * batch_size + b); the pooled output is
+// sample-major, so bag f * batch_size + b is output row b * slots + f and a
+// stack's output is its (batch, slots x dim) block as it is.
+struct OutputRows {
+  int64_t batch_size;  // >= 1
+  int64_t slots;
+  int64_t operator()(int64_t bag) const { return bag % batch_size * slots + bag / batch_size; }
+};
+
+} // namespace sparsecore
