@@ -46,6 +46,7 @@ from data import schema
 from data.samples import Samples
 from data.synthetic import SyntheticConfig, SyntheticCriteo
 from models.dlrm import DLRM
+from models.train import dense_parameters
 
 ROW_CAP = 200_000
 DIM = 64
@@ -56,7 +57,8 @@ TARGETS = {"medium": 1.5, "highest": 1.1}
 AUC_TOLERANCE = 0.005
 
 
-def batches(batch_size: int, count: int) -> list[tuple[torch.Tensor, object, torch.Tensor]]:
+def batches(batch_size: int, count: int) -> tuple[list[tuple[torch.Tensor, object, torch.Tensor]], tuple[int, ...]]:
+    """`count` batches of (dense, KJT, labels) and the table sizes they index."""
     source = SyntheticCriteo(SyntheticConfig(row_cap=ROW_CAP, num_samples=batch_size * count, seed=1))
     out = []
     for i in range(count):
@@ -77,8 +79,7 @@ class EngineSide:
                                                        max_unique_ids_per_partition=limit) for c in table_configs(sizes)]
         ebc = sparsecore.SparseCoreEmbeddingBagCollection(tables, sparsecore.optim.RowWiseAdagrad(lr=LR), device="tpu")
         self.model = DLRM(ebc, schema.NUM_DENSE, DENSE_ARCH, OVER_ARCH).to("tpu")
-        dense = [p for n, p in self.model.named_parameters() if not n.startswith("sparse_arch.")]
-        self.opt = torch.optim.Adagrad(dense, lr=LR)
+        self.opt = torch.optim.Adagrad(dense_parameters(self.model), lr=LR)
 
     def step(self, dense, kjt, labels) -> None:
         logits = self.model(dense.to("tpu"), kjt).squeeze(-1)
@@ -124,9 +125,8 @@ class PlainSide:
             ebc.embedding_bags[name] = torch.nn.EmbeddingBag(bag.num_embeddings, DIM, mode="sum", sparse=True,
                                                               include_last_offset=True)
         self.model = torchrec_dlrm.DLRM(ebc, schema.NUM_DENSE, DENSE_ARCH, OVER_ARCH)
-        sparse = list(ebc.parameters())
-        dense = [p for n, p in self.model.named_parameters() if not n.startswith("sparse_arch.")]
-        self.opts = [torch.optim.SparseAdam(sparse, lr=LR), torch.optim.Adagrad(dense, lr=LR)]
+        self.opts = [torch.optim.SparseAdam(list(ebc.parameters()), lr=LR),
+                     torch.optim.Adagrad(dense_parameters(self.model), lr=LR)]
 
     def step(self, dense, kjt, labels) -> None:
         logits = self.model(dense, kjt).squeeze(-1)
@@ -201,7 +201,6 @@ def throughput(batch_size: int, steps: int, rounds: int, warmup: int) -> dict:
     row["engine_peak_tpu_gb"] = torch.tpu.max_memory_allocated() / 2**30
     row["process_peak_rss_gb"] = peak_rss_gb()
     row["torchrec_kernels"] = ",".join(torchrec_side.kernels)
-    del engine, torchrec_side, plain
     return row
 
 

@@ -75,11 +75,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from benchmarks import report
+from data import schema
 
-CRITEO_SIZES = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27,
-                14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
 ROW_CAP = 1_000_000
-TABLE_ROWS = [min(n, ROW_CAP) for n in CRITEO_SIZES]
+TABLE_ROWS = [min(n, ROW_CAP) for n in schema.KAGGLE_TABLE_SIZES]
 DIMS = [64, 128]
 SHAPES = [(8192, 1), (8192, 20), (8192, 100), (65536, 1), (65536, 20)]
 DISTS = ["uniform", "zipf1.05", "zipf1.2"]
@@ -355,19 +354,18 @@ def _ms(fn: Callable[[], None]) -> float:
 
 
 def measure(systems: dict[str, Callable[[], None]], max_rounds: int, budget_s: float, warmup: int,
-            warmed_by: dict[str, str] | None = None) -> tuple[dict[str, float], int]:
+            unwarmed: frozenset[str] = frozenset()) -> tuple[dict[str, float], int]:
     """Min ms per system over interleaved rounds, after `warmup` untimed calls each.
 
     Rounds: max_rounds, fewer (at least 1) when a round would not fit in budget_s.
-    warmed_by: systems whose warm-up another's covers (name -> that one), warmed by it alone.
+    unwarmed: systems whose warm-up another system's already covers.
     """
-    warmed_by = warmed_by or {}
     gc.collect()
     gc.disable()
     try:
         last = {}
         for name, fn in systems.items():
-            if name in warmed_by:
+            if name in unwarmed:
                 continue
             for _ in range(warmup):
                 last[name] = _ms(fn)
@@ -388,7 +386,6 @@ def copy_bandwidth_gbps(megabytes: int = 512, reps: int = 5) -> float:
     src, dst = torch.ones(n), torch.empty(n)
     dst.copy_(src)
     best = min(_ms(lambda: dst.copy_(src)) for _ in range(reps)) / 1e3
-    del src, dst
     return 2 * n * 4 / best / 1e9
 
 
@@ -589,8 +586,8 @@ class Runner:
         self.memory: list[dict] = []
         self.bar: tqdm | None = None
 
-    def _measure(self, systems, warmed_by: dict[str, str] | None = None) -> tuple[dict[str, float], int]:
-        return measure(systems, self.args.iters, self.args.cell_budget, self.args.warmup, warmed_by)
+    def _measure(self, systems, unwarmed: frozenset[str] = frozenset()) -> tuple[dict[str, float], int]:
+        return measure(systems, self.args.iters, self.args.cell_budget, self.args.warmup, unwarmed)
 
     def _record(self, phase: str, cell: Cell, ms: dict[str, float], rounds: int) -> None:
         key = (phase, cell.label)
@@ -666,7 +663,7 @@ class Runner:
                 if tbe is not None:
                     systems["aten"] = aten_forward(weights, data)
                     systems["fbgemm"] = tbe_forward(tbe, data)
-                self._record("forward", cell, *self._measure(systems, warmed_by={"engine_pre": "engine"}))
+                self._record("forward", cell, *self._measure(systems, unwarmed=frozenset({"engine_pre"})))  # warmed by "engine"
             if group != "main" or "rowwise_adagrad" in phases:
                 systems = {}
                 if engine is not None:
@@ -676,11 +673,10 @@ class Runner:
                 if bags is not None:
                     systems["sparse_adam"] = sparse_adam_train(bags, opts, data, self.inputs.grad(cell.batch, width, "cpu"))
                 self._record("rowwise_adagrad" if group == "main" else group, cell, *self._measure(systems))
-            del data
+            del data, systems  # the systems' closures hold the cell's inputs too
             free()  # cached blocks sized for this cell would only pile up
             self.bar.set_postfix_str(f"{step.label}: {cell.label} {inputs.unique / inputs.total:.2f} unique", refresh=False)
             self.bar.update(1)
-        del engine, tbe, bags, opts, weights
 
 
 # ---------------------------------------------------------------- reporting

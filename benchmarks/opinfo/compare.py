@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 import torch
+from torch.testing._comparison import default_tolerances
 from torch.testing._internal.opinfo.core import DecorateInfo, OpInfo
 
 DEVICE = "tpu"
@@ -111,21 +112,10 @@ def opinfo_tolerance(op: OpInfo, dtype: torch.dtype) -> Tolerance:
     return Tolerance(atol, rtol)
 
 
-_DEFAULT_TOL = {
-    # (rtol, atol): assert_close's defaults.
-    torch.float16: (1e-3, 1e-5),
-    torch.bfloat16: (1.6e-2, 1e-5),
-    torch.float32: (1.3e-6, 1e-5),
-    torch.float64: (1e-7, 1e-7),
-    torch.complex64: (1.3e-6, 1e-5),
-    torch.complex128: (1e-7, 1e-7),
-}
-
-
 def _tol_for(t: torch.Tensor, tol: Tolerance) -> tuple[float, float] | tuple[None, None]:
     if tol.atol is None and tol.rtol is None:
         return None, None
-    rtol, atol = _DEFAULT_TOL.get(t.dtype, (0.0, 0.0))
+    rtol, atol = default_tolerances(t)  # assert_close's defaults; (0, 0) for exact dtypes
     return max(rtol, tol.rtol or 0.0), max(atol, tol.atol or 0.0)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -58,17 +59,18 @@ class OpResult:
 
     @property
     def forward(self) -> Tally:
-        t = Tally()
-        for r in self.dtypes.values():
-            t.add(r.forward)
-        return t
+        return _summed(r.forward for r in self.dtypes.values())
 
     @property
     def backward(self) -> Tally:
-        t = Tally()
-        for r in self.dtypes.values():
-            t.add(r.backward)
-        return t
+        return _summed(r.backward for r in self.dtypes.values())
+
+
+def _summed(tallies: Iterable[Tally]) -> Tally:
+    total = Tally()
+    for t in tallies:
+        total.add(t)
+    return total
 
 
 @dataclasses.dataclass
@@ -91,11 +93,8 @@ class Results:
         return out
 
     def totals(self) -> tuple[Tally, Tally]:
-        fwd, bwd = Tally(), Tally()
-        for r in self.ops.values():
-            fwd.add(r.forward)
-            bwd.add(r.backward)
-        return fwd, bwd
+        per_category = self.by_category().values()
+        return _summed(f for f, _ in per_category), _summed(b for _, b in per_category)
 
     def worst(self, n: int = 25) -> list[OpResult]:
         """Ops with the most failing or erroring samples (forward + backward)."""
