@@ -40,7 +40,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 from tqdm import tqdm
 
 from data.arrays import ArrayWriter, day_splits, read_meta, reference_splits
-from data.schema import KAGGLE_DAYS, KAGGLE_TABLE_SIZES, NUM_DENSE, NUM_SPARSE, TERABYTE_TABLE_SIZES
+from data.schema import (DENSE_NAMES, KAGGLE_DAYS, KAGGLE_TABLE_SIZES, NUM_DENSE, NUM_SPARSE, SPARSE_NAMES,
+                         TERABYTE_TABLE_SIZES)
 
 logger = logging.getLogger(__name__)
 
@@ -353,7 +354,7 @@ def _examples(
             detail = f"label {_field_text(buf, bounds, 0, r)}"
         else:
             k = int(np.argmax(bad_fields[reason][r]))
-            field, name = (1 + k, f"int_{k}") if reason == "non_integer_dense" else (1 + NUM_DENSE + k, f"cat_{k}")
+            field, name = (1 + k, DENSE_NAMES[k]) if reason == "non_integer_dense" else (1 + NUM_DENSE + k, SPARSE_NAMES[k])
             detail = f"field {field + 1} ({name}) {_field_text(buf, bounds, field, r)}"
         out.append(BadLine(path, first_line + i, reason, detail))
     return out

@@ -30,6 +30,5 @@ MLPERF_MULTI_HOT_SIZES: tuple[int, ...] = (
 """Ids per sample of each categorical feature in MLPerf's multi-hot Criteo 1TB."""
 
 KAGGLE_DAYS = 7
-"""The Kaggle file holds 7 days in order: 6 train, the last split half validation, half test."""
-TERABYTE_DAYS = 24
-"""Criteo 1TB ships day_0 .. day_23: 23 train, the last split half validation, half test."""
+"""The Kaggle file holds 7 days in order: 6 train, the last split half validation, half test.
+(Criteo 1TB ships one file per day, day_0 .. day_23, split the same way: data.criteo.)"""

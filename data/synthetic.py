@@ -162,14 +162,18 @@ class SyntheticCriteo:
         a, b = self._perm[table]
         return (rank * a + b) % n
 
+    def _draw(self, rng: np.random.Generator, rows: int) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Dense counts (R, 13) int64 and ids per feature (R, L_f) for `rows` samples."""
+        counts = np.floor(np.exp(rng.normal(self._dense_mu, self._dense_sigma, (rows, schema.NUM_DENSE)))) - 1
+        counts = np.maximum(counts, 0).astype(np.int64)
+        return counts, [self._ids(rng, t, rows * p).reshape(rows, p) for t, p in enumerate(self.pooling)]
+
     def _block(self, block: int) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
         """(dense counts (R, 13) int64, ids per feature (R, L_f) int64, labels (R,) float32) of one block."""
         start = block * BLOCK_ROWS
         rows = min(BLOCK_ROWS, self.config.num_samples - start)
         rng = np.random.default_rng([self.config.seed, 1, block])
-        counts = np.floor(np.exp(rng.normal(self._dense_mu, self._dense_sigma, (rows, schema.NUM_DENSE)))) - 1
-        counts = np.maximum(counts, 0).astype(np.int64)
-        ids = [self._ids(rng, t, rows * p).reshape(rows, p) for t, p in enumerate(self.pooling)]
+        counts, ids = self._draw(rng, rows)
         u = rng.random(rows)
         p = 1 / (1 + np.exp(-self.logits(counts, ids))) if self.config.planted else np.full(rows, self.config.ctr)
         return counts, ids, (u < p).astype(np.float32)
@@ -227,10 +231,7 @@ class SyntheticCriteo:
     def _calibrate(self, rows: int = 32768) -> None:
         """Scales the two parts to the asked variance split and total, and the bias to the click rate."""
         c = self.config
-        rng = np.random.default_rng([c.seed, 2])
-        counts = np.maximum(np.floor(np.exp(rng.normal(self._dense_mu, self._dense_sigma, (rows, schema.NUM_DENSE)))) - 1, 0)
-        ids = [self._ids(rng, t, rows * p).reshape(rows, p) for t, p in enumerate(self.pooling)]
-        parts = self._parts(counts, ids)
+        parts = self._parts(*self._draw(np.random.default_rng([c.seed, 2]), rows))
         # Each part scaled to its share of the variance (the parts are uncorrelated: independent
         # dense and sparse draws, and linear and pairwise terms of zero-mean embeddings).
         shares = (1 - c.embedding_share, c.embedding_share * (1 - c.interaction_share), c.embedding_share * c.interaction_share)
@@ -273,7 +274,8 @@ class SyntheticCriteo:
 
 
 def binary_auc(scores: np.ndarray, labels: np.ndarray) -> float:
-    """ROC AUC by the rank-sum (Mann-Whitney) formula, ties averaged."""
+    """ROC AUC by the rank-sum (Mann-Whitney) formula, ties averaged, in float64 (torchmetrics'
+    binary_auroc, which the trainer's validation uses, returns float32)."""
     order = np.argsort(scores, kind="mergesort")
     ranks = np.empty(len(scores), dtype=np.float64)
     sorted_scores = scores[order]

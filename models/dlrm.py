@@ -30,23 +30,12 @@ def _check_engine(ebc) -> None:
 class _SparseCoreForward:
     """The step both models share: overlapped lookup, then interaction and over arch."""
 
-    def _embedded_sparse(self, sparse_features):
-        """Starts the lookup on the SparseCore executor; returns a function giving (B, F, D)."""
-        ebc = self.sparse_arch.embedding_bag_collection
-        F, D = self.sparse_arch.F, self.sparse_arch.D
-        if ebc._device.type == "tpu":
-            future = ebc.forward_async(sparse_features)
-            result = future.result
-        else:
-            pooled = ebc(sparse_features)
-            result = lambda: pooled  # noqa: E731
-        return lambda: result().values().view(-1, F, D)
-
     def forward(self, dense_features: torch.Tensor,
                 sparse_features: KeyedJaggedTensor | PreprocessedBatch) -> torch.Tensor:
-        embedded_sparse = self._embedded_sparse(sparse_features)
+        pooled = self.sparse_arch.embedding_bag_collection.forward_async(sparse_features)
         embedded_dense = self.dense_arch(dense_features)
-        interacted = self.inter_arch(dense_features=embedded_dense, sparse_features=embedded_sparse())
+        embedded_sparse = pooled.result().values().view(-1, self.sparse_arch.F, self.sparse_arch.D)
+        interacted = self.inter_arch(dense_features=embedded_dense, sparse_features=embedded_sparse)
         return self.over_arch(interacted)
 
 

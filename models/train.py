@@ -16,6 +16,7 @@ finishes the current step, writes a checkpoint and exits.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -267,8 +268,9 @@ class Trainer:
 
     def _restore(self) -> None:
         payload = checkpoint.load(self.checkpoint_path)
-        if payload["config"] != self.cfg.comparable():
-            changed = sorted(k for k in self.cfg.comparable() if payload["config"].get(k) != self.cfg.comparable()[k])
+        ours = self.cfg.comparable()
+        if payload["config"] != ours:
+            changed = sorted(k for k in ours if payload["config"].get(k) != ours[k])
             raise checkpoint.CheckpointError(
                 f"{self.checkpoint_path} was written by a run with different settings ({', '.join(changed)}); "
                 "resume with the same settings or use another --checkpoint-dir")
@@ -322,7 +324,7 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=self.step, unit="step", disable=not cfg.progress,
                    dynamic_ncols=True, file=sys.stderr)
         interrupted = False
-        with torch.tpu.precision(cfg.precision) if self.device.type == "tpu" else _nothing(), _Interrupt() as stop:
+        with torch.tpu.precision(cfg.precision) if self.device.type == "tpu" else contextlib.nullcontext(), _Interrupt() as stop:
             self.model.train()
             batches = self._batches()
             while self.step < self.total_steps:
@@ -358,14 +360,6 @@ class Trainer:
         if self.device.type == "tpu":
             summary["peak_tpu_memory_bytes"] = torch.tpu.max_memory_allocated(self.device)
         return summary
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:

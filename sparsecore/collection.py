@@ -207,10 +207,13 @@ class SparseCoreCollection(nn.Module):
         """Runs forward (preprocessing included) on the device's SparseCore executor.
 
         Returns a Future of what forward returns; TensorCore work issued meanwhile
-        overlaps it. tpu modules only: the executor is a tpu stream.
+        overlaps it. Off the tpu there is no SparseCore stream: the forward runs
+        at once and the Future is already done.
         """
         if self._device.type != "tpu":
-            raise ValueError(f"forward_async needs a tpu module, this one is on {self._device}")
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(self.forward(features))
+            return done
         return executor_for(self._device).submit(self.forward, features)
 
     def _lookup_all(self, features: KeyedJaggedTensor | PreprocessedBatch) -> tuple[PreprocessedBatch, dict[str, torch.Tensor]]:
