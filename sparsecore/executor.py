@@ -24,19 +24,8 @@ class SparseCoreExecutor:
         self.stream = torch.tpu.Stream(self.device)
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
-        # The work runs with the submitting thread's intra-op thread count and
-        # grad mode (both are per thread: a lookup submitted under no_grad
-        # must not record a graph).
-        threads = torch.get_num_threads()
-        grad = torch.is_grad_enabled()
-
-        def task() -> Any:
-            if torch.get_num_threads() != threads:
-                torch.set_num_threads(threads)
-            with torch.set_grad_enabled(grad):
-                return fn(*args, **kwargs)
-
-        return torch.tpu.submit(self.stream, task)
+        # torch.tpu.submit carries the caller's grad mode and thread count over.
+        return torch.tpu.submit(self.stream, fn, *args, **kwargs)
 
     def synchronize(self) -> None:
         self.stream.synchronize()

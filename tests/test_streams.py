@@ -35,6 +35,14 @@ def test_errors_reach_the_future():
     assert torch.tpu.submit(s, lambda: 7).result(timeout=5) == 7
 
 
+def test_submitted_work_keeps_the_callers_grad_mode_and_threads():
+    s = torch.tpu.Stream()
+    seen = lambda: (torch.is_grad_enabled(), torch.get_num_threads())  # noqa: E731
+    with torch.no_grad():
+        assert torch.tpu.submit(s, seen).result(timeout=10) == (False, torch.get_num_threads())
+    assert torch.tpu.submit(s, seen).result(timeout=10) == (True, torch.get_num_threads())
+
+
 def test_event_orders_one_stream_after_another():
     producer, consumer = torch.tpu.Stream(), torch.tpu.Stream()
     log = []

@@ -111,15 +111,21 @@ def submit(stream: torch.Stream, fn: Callable[..., Any], /, *args: Any, **kwargs
     """Runs ``fn(*args, **kwargs)`` on ``stream`` after the work queued before it.
 
     Returns a Future with the result or the exception. On the default stream
-    the call runs at once on the calling thread.
+    the call runs at once on the calling thread. The work runs with the
+    submitting thread's grad mode and intra-op thread count: both are per
+    thread, and a stream's worker would otherwise keep its own.
     """
     future: concurrent.futures.Future = concurrent.futures.Future()
+    grad, threads = torch.is_grad_enabled(), torch.get_num_threads()
 
     def task() -> None:
         if not future.set_running_or_notify_cancel():
             return
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         try:
-            future.set_result(fn(*args, **kwargs))
+            with torch.set_grad_enabled(grad):
+                future.set_result(fn(*args, **kwargs))
         except BaseException as error:  # noqa: BLE001 - handed to the caller
             future.set_exception(error)
 
