@@ -36,11 +36,9 @@ def default_num_sparsecores(device: torch.device) -> int:
 
 def logical_to_physical(stack: StackSpec, table: str, device: torch.device | None = None) -> torch.Tensor:
     """Physical row of each logical row of a table (sparsecore.stacking's mod sharding)."""
-    p = stack.placements[table]
     config = next(t for t in stack.tables if t.name == table)
-    shifted = torch.arange(config.num_embeddings, device=device) + p.rotation
-    n = stack.num_sparsecores
-    return (shifted % n) * stack.rows_per_sparsecore + p.row_offset + shifted // n
+    sparsecore, row = stack.locate(table, torch.arange(config.num_embeddings, device=device))
+    return sparsecore * stack.rows_per_sparsecore + row
 
 
 class SparseCoreCollection(nn.Module):

@@ -130,16 +130,15 @@ def _sequence_entries(stack: StackSpec, kjt: "KjtView", lengths_out: dict):
     owners, rows, bags, receivers = [], [], [], []
     num_bags = 0
     for table in stack.tables:
-        placement = stack.placements[table.name]
         for feature in table.feature_names:
             values, lengths = kjt.feature(feature)
             if table.max_seq_len is not None:
                 values, lengths = _truncate(values, lengths, table.max_seq_len)
             lengths_out[feature] = lengths
             _check_ids(feature, table.name, values, table.num_embeddings)
-            shifted = values + placement.rotation
-            owners.append(shifted % n)
-            rows.append(placement.row_offset + shifted // n)
+            owner, row = stack.locate(table.name, values)
+            owners.append(owner)
+            rows.append(row)
             bags.append(num_bags + torch.arange(values.numel()))
             num_bags += values.numel()
             receivers.append(torch.repeat_interleave(torch.arange(batch_size), lengths) // slice_size)

@@ -16,8 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TypeVar
+
+import torch
 
 from sparsecore.config import SparseCoreEmbeddingConfig
+
+IdsT = TypeVar("IdsT", int, torch.Tensor)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -69,8 +74,8 @@ class StackSpec:
     def max_unique_ids_per_partition(self) -> int:
         return max(t.max_unique_ids_per_partition for t in self.tables)
 
-    def locate(self, table: str, ids: int) -> tuple[int, int]:
-        """(SparseCore, local row) of one id of a table."""
+    def locate(self, table: str, ids: IdsT) -> tuple[IdsT, IdsT]:
+        """(SparseCore, local row) of an id of a table, or elementwise of a tensor of ids."""
         p = self.placements[table]
         shifted = ids + p.rotation
         return shifted % self.num_sparsecores, p.row_offset + shifted // self.num_sparsecores
