@@ -24,7 +24,7 @@ from benchmarks.opinfo.exclusions import (
     full_name,
     sample_exclusion_reason,
 )
-from benchmarks.opinfo.results import DtypeResult, OpResult, Results
+from benchmarks.opinfo.results import DtypeResult, OpResult, Results, Tally
 
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.int64)
 BACKWARD_DTYPES: tuple[torch.dtype, ...] = (torch.float32,)
@@ -169,19 +169,25 @@ def _run_forward(op: OpInfo, dtype: torch.dtype, result: DtypeResult, max_sample
             result.no_tpu_input += 1
             continue
         count += 1
-        try:
-            actual = _call(op, tpu_sample)
-        except Exception as error:  # noqa: BLE001
-            tally.errored += 1
-            tally.first_error = tally.first_error or _short(error)
-            continue
-        try:
-            compare(actual, expected, tol, values=values)
-        except Exception as error:  # noqa: BLE001 - includes errors copying results back
-            tally.failed += 1
-            tally.first_fail = tally.first_fail or _short(error)[:500]
-            continue
-        tally.passed += 1
+        _score(tally, lambda: _call(op, tpu_sample), lambda actual: compare(actual, expected, tol, values=values))
+
+
+def _score(tally: Tally, run_on_tpu: Callable[[], Any], check: Callable[[Any], None]) -> None:
+    """Runs one sample on the tpu and counts it: errored (the tpu raised), failed (the
+    check raised, including errors copying results back) or passed."""
+    try:
+        actual = run_on_tpu()
+    except Exception as error:  # noqa: BLE001
+        tally.errored += 1
+        tally.first_error = tally.first_error or _short(error)
+        return
+    try:
+        check(actual)
+    except Exception as error:  # noqa: BLE001
+        tally.failed += 1
+        tally.first_fail = tally.first_fail or _short(error)
+        return
+    tally.passed += 1
 
 
 def _sample_to_device(op: OpInfo, sample: Any, memo: dict[int, Any]) -> Any:
@@ -254,19 +260,8 @@ def _run_backward(op: OpInfo, dtype: torch.dtype, result: DtypeResult, max_sampl
         if not _on_device(memo) or not expected:
             continue
         count += 1
-        try:
-            _, actual = _grads(op, tpu_sample, weights, seed=index)
-        except Exception as error:  # noqa: BLE001
-            tally.errored += 1
-            tally.first_error = tally.first_error or _short(error)
-            continue
-        try:
-            _compare_grads(actual, expected, tol)
-        except Exception as error:  # noqa: BLE001
-            tally.failed += 1
-            tally.first_fail = tally.first_fail or _short(error)
-            continue
-        tally.passed += 1
+        _score(tally, lambda: _grads(op, tpu_sample, weights, seed=index)[1],
+               lambda actual: _compare_grads(actual, expected, tol))
 
 
 def run(
