@@ -41,6 +41,9 @@ def _register() -> None:
     torch.utils.generate_methods_for_privateuse1_backend(
         for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True
     )
+    from torch_tpu.distributed import backend as distributed_backend
+
+    distributed_backend.register()
     logger.debug("tpu device registered: %s", topology)
 
 

@@ -1,0 +1,124 @@
+"""Runs a function on N local processes joined by a tpu_dist group, with a deadline.
+
+Each rank runs in a fresh (spawned) interpreter on 127.0.0.1, takes
+``tpu:<rank>`` (one emulated device per rank, as torchrun's LOCAL_RANK would
+give it) and reports what the function returned or the traceback it raised.
+Nothing can hang the test run: past the deadline every rank is killed and the
+call raises ``TimeoutError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+import queue
+import socket
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+@dataclasses.dataclass
+class RankResult:
+    rank: int
+    value: Any = None
+    error: str | None = None
+    exitcode: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.exitcode == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _entry(fn, rank: int, world_size: int, port: int, group_timeout_s: float, results, args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("tpu_dist", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=group_timeout_s))
+        with warnings.catch_warnings():  # exact fp32, as the rest of the suite (conftest)
+            warnings.simplefilter("ignore")
+            torch.tpu.set_float32_matmul_precision("highest")
+        value = fn(rank, world_size, *args)
+        dist.destroy_process_group()
+        results.put((rank, value, None))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, None, traceback.format_exc()))
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
+              group_timeout_s: float = 30.0, env: dict[str, str] | None = None) -> list[RankResult]:
+    """Runs ``fn(rank, world_size, *args)`` on every rank; returns each rank's result in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = []
+    for rank in range(world_size):
+        child_env = {"TORCH_TPU_NUM_DEVICES": str(world_size), "LOCAL_RANK": str(rank),
+                     "GLOO_SOCKET_IFNAME": "lo", **(env or {})}
+        with _environ(child_env):
+            p = ctx.Process(target=_entry, args=(fn, rank, world_size, port, group_timeout_s, results, args))
+            p.start()
+        procs.append(p)
+    deadline = time.monotonic() + timeout_s
+    out = {rank: RankResult(rank) for rank in range(world_size)}
+    reported = 0
+    try:
+        while reported < world_size:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks did not finish within {timeout_s} s")
+            try:
+                rank, value, error = results.get(timeout=0.2)
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs):
+                    break  # some rank died without a report
+                continue
+            out[rank].value, out[rank].error = value, error
+            reported += 1
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                raise TimeoutError(f"rank {procs.index(p)} did not exit within {timeout_s} s")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    for rank, p in enumerate(procs):
+        out[rank].exitcode = p.exitcode
+    return [out[r] for r in range(world_size)]
+
+
+def assert_all_ok(results: list[RankResult]) -> list[Any]:
+    """The ranks' values; fails with every failing rank's traceback."""
+    failures = [f"rank {r.rank} (exit {r.exitcode}):\n{r.error or 'died without a report'}"
+                for r in results if not r.ok]
+    assert not failures, "\n".join(failures)
+    return [r.value for r in results]

@@ -1,0 +1,222 @@
+// c10d collectives on tpu tensors, for the tpu_dist backend.
+//
+// tpu_dist registers one gloo backend for both the cpu and the tpu device. A
+// c10d op on tpu tensors reaches the PrivateUse1 key; this boxed kernel swaps
+// every tpu tensor for a CPU tensor on the same memory and calls the op's CPU
+// kernel, which hands them to gloo. Nothing is copied: gloo reads and writes
+// tpu memory. The CPU tensors keep the tpu storage alive, so an async work
+// that outlives the caller's tensors still writes into live memory.
+//
+// Gloo rejects ReduceOp.PREMUL_SUM (FSDP2's gradient divide factor), so it is
+// built here: the inputs are multiplied by the factor and summed. In-place
+// collectives scale their tensors in place (they are the result anyway);
+// reduce-scatters scale a copy, leaving the caller's input as it was.
+//
+// Registered on request (torch.ops.torch_tpu._register_collectives, when a
+// tpu_dist group is created), not at load: torch has PrivateUse1 kernels for
+// these ops, and replacing them warns, expectedly, so that warning is dropped.
+
+#include "TpuHost.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/ivalue.h>
+#include <c10/util/Exception.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/library.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+
+namespace torch_tpu {
+namespace {
+
+// A CPU tensor on the memory of a tpu tensor that owns a reference to the
+// tpu storage (HostScope's views borrow it; collectives may run past the call).
+at::Tensor owning_host_view(const at::Tensor& t) {
+  TORCH_CHECK(t.layout() == c10::kStrided, "tpu_dist: only strided tensors are supported, got ", t.layout());
+  // Gloo walks numel() elements from the data pointer: a strided view would
+  // be read and written as if it were dense (plain gloo corrupts it silently).
+  TORCH_CHECK(t.is_contiguous(), "tpu_dist: collectives need contiguous tensors, got sizes ", t.sizes(),
+              " strides ", t.strides(), "; pass tensor.contiguous() and copy the result back");
+  c10::Storage tpu = t.storage();
+  void* data = tpu.mutable_data();
+  auto* owner = new c10::Storage(std::move(tpu));
+  c10::DataPtr ptr(data, owner, [](void* o) { delete static_cast<c10::Storage*>(o); },
+                   c10::Device(c10::DeviceType::CPU));
+  c10::Storage cpu(c10::Storage::use_byte_size_t(), owner->nbytes(), std::move(ptr), /*allocator=*/nullptr,
+                   /*resizable=*/false);
+  auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(cpu), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                                   t.dtype());
+  impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  return at::Tensor(std::move(impl));
+}
+
+// Swaps tpu tensors for their host views and remembers the pairs, so results
+// can be handed back as the caller's tpu tensors.
+class HostViews {
+ public:
+  c10::IValue to_host(const c10::IValue& v) {
+    if (v.isTensor()) {
+      return view(v.toTensor());
+    }
+    if (v.isTensorList()) {
+      c10::List<at::Tensor> out;
+      for (const at::Tensor& t : v.toTensorList()) out.push_back(view(t));
+      return out;
+    }
+    if (v.isList() && is_list_of_tensor_lists(v)) {
+      c10::List<c10::List<at::Tensor>> out;
+      for (const c10::IValue& inner : v.toListRef()) out.push_back(to_host(inner).toTensorList());
+      return out;
+    }
+    return v;
+  }
+
+  c10::IValue to_tpu(const c10::IValue& v) const {
+    if (v.isTensor()) {
+      return original(v.toTensor());
+    }
+    if (v.isTensorList()) {
+      c10::List<at::Tensor> out;
+      for (const at::Tensor& t : v.toTensorList()) out.push_back(original(t));
+      return out;
+    }
+    if (v.isList() && is_list_of_tensor_lists(v)) {
+      c10::List<c10::List<at::Tensor>> out;
+      for (const c10::IValue& inner : v.toListRef()) out.push_back(to_tpu(inner).toTensorList());
+      return out;
+    }
+    return v;
+  }
+
+ private:
+  static bool is_list_of_tensor_lists(const c10::IValue& v) {
+    const auto& type = v.toList().elementType();
+    return type->kind() == c10::ListType::Kind && type->expectRef<c10::ListType>().getElementType()->kind() ==
+        c10::TensorType::Kind;
+  }
+
+  at::Tensor view(const at::Tensor& t) {
+    if (!is_tpu(t)) {
+      return t;
+    }
+    at::Tensor host = owning_host_view(t);
+    pairs_.push_back({t, host});
+    return host;
+  }
+
+  at::Tensor original(const at::Tensor& t) const {
+    for (const auto& p : pairs_) {
+      if (p.host.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) return p.tpu;
+    }
+    return t;
+  }
+
+  struct Pair {
+    at::Tensor tpu;
+    at::Tensor host;
+  };
+  c10::SmallVector<Pair, 4> pairs_;
+};
+
+at::Tensor scaled(const at::Tensor& t, const c10d::PreMulSumSupplement& factor) {
+  return factor.tensor_factor.defined() ? t.mul(factor.tensor_factor.to(t.device())) : t.mul(factor.double_factor);
+}
+
+void scale_in_place(const at::Tensor& t, const c10d::PreMulSumSupplement& factor) {
+  if (factor.tensor_factor.defined()) {
+    t.mul_(factor.tensor_factor.to(t.device()));
+  } else {
+    t.mul_(factor.double_factor);
+  }
+}
+
+// PREMUL_SUM as gloo's SUM over scaled inputs. Arguments named "tensors" are
+// reduced in place; the reduce-scatters' inputs are other names.
+void lower_premul_sum(const c10::FunctionSchema& schema, torch::jit::Stack& args) {
+  const auto& names = schema.arguments();
+  size_t op_index = names.size();
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (names[i].name() == "reduce_op") op_index = i;
+  }
+  if (op_index == names.size()) return;
+  auto op = args[op_index].toCustomClass<c10d::ReduceOp>();
+  if (op->op_ != c10d::ReduceOp::PREMUL_SUM) return;
+  const auto* factor = dynamic_cast<const c10d::PreMulSumSupplement*>(op->supplement_.get());
+  TORCH_CHECK(factor != nullptr, "tpu_dist: ReduceOp.PREMUL_SUM without a factor; build it with "
+              "torch.distributed._make_nccl_premul_sum(factor)");
+  for (size_t i = 0; i < names.size(); ++i) {
+    const std::string& name = names[i].name();
+    c10::IValue& v = args[i];
+    if (name == "tensors") {
+      for (const at::Tensor& t : v.toTensorList()) scale_in_place(t, *factor);
+    } else if (name == "input_tensor") {
+      v = scaled(v.toTensor(), *factor);
+    } else if (name == "inputs") {
+      c10::List<at::Tensor> out;
+      for (const at::Tensor& t : v.toTensorList()) out.push_back(scaled(t, *factor));
+      v = out;
+    } else if (name == "input_tensors") {
+      c10::List<c10::List<at::Tensor>> out;
+      for (const c10::IValue& inner : v.toListRef()) {
+        c10::List<at::Tensor> row;
+        for (const at::Tensor& t : inner.toTensorList()) row.push_back(scaled(t, *factor));
+        out.push_back(row);
+      }
+      v = out;
+    }
+  }
+  args[op_index] = c10::make_intrusive<c10d::ReduceOp>(c10d::ReduceOp::SUM);
+}
+
+void collective_on_host(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t num_args = schema.arguments().size();
+  HostViews views;
+  torch::jit::Stack args(stack->end() - num_args, stack->end());
+  for (auto& v : args) v = views.to_host(v);
+  lower_premul_sum(schema, args);
+  std::copy(args.begin(), args.end(), stack->end() - num_args);
+  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+  const size_t num_returns = schema.returns().size();
+  for (auto it = stack->end() - num_returns; it != stack->end(); ++it) *it = views.to_tpu(*it);
+}
+
+bool takes_process_group(const c10::FunctionSchema& schema) {
+  for (const auto& arg : schema.arguments()) {
+    if (arg.name() == "process_group") return true;
+  }
+  return false;
+}
+
+// Swallows the dispatcher's "Overriding a previously registered kernel".
+class DropWarnings : public c10::WarningHandler {
+ public:
+  void process(const c10::Warning&) override {}
+};
+
+void register_collectives() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    DropWarnings drop;
+    c10::WarningUtils::WarningHandlerGuard guard(&drop);
+    static auto* library =
+        new torch::Library(torch::Library::IMPL, "c10d", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+    for (const c10::OperatorName& name : c10::Dispatcher::singleton().getAllOpNames()) {
+      if (name.name.rfind("c10d::", 0) != 0 || !name.overload_name.empty()) continue;
+      auto handle = c10::Dispatcher::singleton().findOp(name);
+      if (!handle || !takes_process_group(handle->schema())) continue;
+      library->impl(name.name.substr(6).c_str(), torch::CppFunction::makeFromBoxedFunction<&collective_on_host>());
+    }
+  });
+}
+
+} // namespace
+
+TORCH_LIBRARY_FRAGMENT(torch_tpu, m) {
+  m.def("_register_collectives() -> ()", register_collectives);
+}
+
+} // namespace torch_tpu

@@ -1,0 +1,11 @@
+"""Distributed training on tpu devices: the ``tpu_dist`` backend and the collectives gloo lacks.
+
+``torch.distributed.init_process_group("tpu_dist")`` creates a group whose
+collectives take tpu and cpu tensors (see ``backend``);
+``reduce_scatter_v`` is a reduce-scatter with a chunk size per rank.
+"""
+
+from torch_tpu.distributed.backend import BACKEND, register
+from torch_tpu.distributed.reduce_scatter_v import reduce_scatter_v
+
+__all__ = ["BACKEND", "reduce_scatter_v", "register"]
