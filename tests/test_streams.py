@@ -57,6 +57,21 @@ def test_event_orders_one_stream_after_another():
     assert event.query()
 
 
+def test_an_event_dropped_while_a_stream_waits_on_it_still_orders_the_stream():
+    # wait_stream records a temporary event, queues a wait on it and drops it
+    # at once: the queued wait must keep the event alive (it was freed under it).
+    producer, consumer = torch.tpu.Stream(), torch.tpu.Stream()
+    log = []
+    for i in range(50):
+        torch.tpu.submit(producer, lambda i=i: (time.sleep(0.002), log.append(("produced", i))))
+        consumer.wait_stream(producer)
+        torch.tpu.Event().record(producer)  # recorded, then dropped with its record still queued
+        torch.tpu.submit(consumer, lambda i=i: log.append(("consumed", i)))
+    consumer.synchronize()
+    for i in range(50):
+        assert log.index(("produced", i)) < log.index(("consumed", i))
+
+
 def test_event_timing():
     s = torch.tpu.Stream()
     start, end = torch.tpu.Event(enable_timing=True), torch.tpu.Event(enable_timing=True)

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import pickle
 import queue
 import socket
 import time
@@ -68,7 +69,9 @@ def _entry(fn, rank: int, world_size: int, port: int, group_timeout_s: float, re
             torch.tpu.set_float32_matmul_precision("highest")
         value = fn(rank, world_size, *args)
         dist.destroy_process_group()
-        results.put((rank, value, None))
+        # Plain pickle: the queue's own would pass tensors as shared memory,
+        # which is gone once this process exits.
+        results.put((rank, pickle.dumps(value), None))
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, None, traceback.format_exc()))
 
@@ -100,7 +103,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
                 if all(not p.is_alive() for p in procs):
                     break  # some rank died without a report
                 continue
-            out[rank].value, out[rank].error = value, error
+            out[rank].value, out[rank].error = (pickle.loads(value) if error is None else None), error
             reported += 1
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))

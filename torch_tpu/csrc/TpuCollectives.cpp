@@ -17,6 +17,7 @@
 // these ops, and replacing them warns, expectedly, so that warning is dropped.
 
 #include "TpuHost.h"
+#include "TpuStream.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/ivalue.h>
@@ -101,6 +102,11 @@ class HostViews {
   at::Tensor view(const at::Tensor& t) {
     if (!is_tpu(t)) {
       return t;
+    }
+    if (pairs_.empty()) {
+      // As every tpu op: work queued on the current stream comes first
+      // (e.g. the stream's kernel that produced the tensor gloo will read).
+      wait_current_stream(t.device().index());
     }
     at::Tensor host = owning_host_view(t);
     pairs_.push_back({t, host});

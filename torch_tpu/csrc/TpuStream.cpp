@@ -246,25 +246,35 @@ void wait_current_stream(c10::DeviceIndex device) {
   }
 }
 
+// An event handle (what the guard hands torch) shares its Event with every
+// task queued to record or wait on it: the handle may be destroyed while a
+// stream still has such a task pending (stream.wait_stream() records a
+// temporary event, queues a wait on it and drops it at once).
+using EventRef = std::shared_ptr<Event>;
+
+EventRef& event_of(void* handle) {
+  return *static_cast<EventRef*>(handle);
+}
+
 void* record_event(void* handle, c10::Stream s) {
-  auto* event = handle ? static_cast<Event*>(handle) : new Event();
+  if (!handle) {
+    handle = new EventRef(std::make_shared<Event>());
+  }
+  EventRef event = event_of(handle);
   uint64_t version;
   {
     std::lock_guard<std::mutex> lock(event->mu);
     version = ++event->recorded;
   }
   submit(s, [event, version] { event->complete(version); });
-  return event;
+  return handle;
 }
 
 void block_on_event(void* handle, c10::Stream s) {
-  if (!handle) {
+  if (!handle || query_event(handle)) {
     return;
   }
-  auto* event = static_cast<Event*>(handle);
-  if (query_event(handle)) {
-    return;
-  }
+  EventRef event = event_of(handle);
   const uint64_t version = event->latest();
   submit(s, [event, version] { event->wait(version); });
 }
@@ -273,41 +283,33 @@ bool query_event(void* handle) {
   if (!handle) {
     return true;
   }
-  auto* event = static_cast<Event*>(handle);
-  std::lock_guard<std::mutex> lock(event->mu);
-  return event->completed >= event->recorded;
+  Event& event = *event_of(handle);
+  std::lock_guard<std::mutex> lock(event.mu);
+  return event.completed >= event.recorded;
 }
 
 void synchronize_event(void* handle) {
   if (!handle) {
     return;
   }
-  auto* event = static_cast<Event*>(handle);
-  event->wait(event->latest());
+  Event& event = *event_of(handle);
+  event.wait(event.latest());
 }
 
 double elapsed_ms(void* start, void* end) {
   TORCH_CHECK(start && end, "Both events must be recorded before calculating elapsed time.");
-  auto* a = static_cast<Event*>(start);
-  auto* b = static_cast<Event*>(end);
-  synchronize_event(a);
-  synchronize_event(b);
-  std::chrono::steady_clock::time_point ta, tb;
-  {
-    std::lock_guard<std::mutex> lock(a->mu);
-    ta = a->when;
-  }
-  {
-    std::lock_guard<std::mutex> lock(b->mu);
-    tb = b->when;
-  }
-  return std::chrono::duration<double, std::milli>(tb - ta).count();
+  synchronize_event(start);
+  synchronize_event(end);
+  auto when = [](void* handle) {
+    Event& event = *event_of(handle);
+    std::lock_guard<std::mutex> lock(event.mu);
+    return event.when;
+  };
+  return std::chrono::duration<double, std::milli>(when(end) - when(start)).count();
 }
 
 void destroy_event(void* handle) {
-  // A task still queued may reference the event; wait for it first.
-  synchronize_event(handle);
-  delete static_cast<Event*>(handle);
+  delete static_cast<EventRef*>(handle);  // queued tasks hold their own reference
 }
 
 } // namespace torch_tpu
