@@ -40,6 +40,7 @@ test-all: setup
 bench: setup
 	$(PY) -m benchmarks.eager_overhead
 	$(PY) -m benchmarks.op_coverage
+	$(PY) -m benchmarks.collectives
 
 clean:
 	rm -rf build torch_tpu/_core.so sparsecore/_kernels.so $(VENV)/.installed

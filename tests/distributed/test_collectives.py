@@ -238,3 +238,19 @@ def run_all(rank: int, world: int) -> list[str]:
 def test_collectives_match_local_computation(world_size):
     values = assert_all_ok(run_ranks(run_all, world_size))
     assert values == [["ok"] * len(CASES)] * world_size
+
+
+def test_each_local_process_takes_its_own_device(monkeypatch):
+    from torch_tpu.distributed import backend
+
+    previous = torch.tpu.current_device()
+    try:
+        monkeypatch.setenv("LOCAL_RANK", "1")
+        backend._bind_local_device()
+        assert torch.tpu.current_device() == 1
+        monkeypatch.setenv("LOCAL_RANK", str(torch.tpu.device_count()))
+        with pytest.raises(RuntimeError, match=f"LOCAL_RANK={torch.tpu.device_count()} but this host has"):
+            backend._bind_local_device()
+    finally:
+        torch.tpu.set_device(previous)
+    assert "tpu_dist" in dist.Backend.backend_list  # registered by importing torch
