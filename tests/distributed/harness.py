@@ -37,7 +37,7 @@ class RankResult:
         return self.error is None and self.exitcode == 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -81,7 +81,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     """Runs ``fn(rank, world_size, *args)`` on every rank; returns each rank's result in rank order."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world_size):
         child_env = {"TORCH_TPU_NUM_DEVICES": str(world_size), "LOCAL_RANK": str(rank),
