@@ -37,16 +37,13 @@ The full run takes about 2 minutes on the 2-core development machine
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import gc
-import os
-import socket
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +52,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks import report
+from torch_tpu.distributed.local_ranks import free_port, start_local_ranks
 
 KiB, MiB = 2**10, 2**20
 SIZES = [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
@@ -370,39 +368,8 @@ def publish(cells: list[dict[str, Any]], world: int, settings: Settings, elapsed
 # ---------------------------------------------------------------- launcher
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def environ(values: dict[str, str]) -> Iterator[None]:
-    """Sets environment variables for the block (a spawned child inherits them), then restores them."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def start_ranks(world: int, settings: Settings) -> list[mp.Process]:
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        # Read by torch_tpu when the child imports torch: one device per rank, this rank's is tpu:<rank>.
-        env = {"TORCH_TPU_NUM_DEVICES": str(world), "LOCAL_RANK": str(rank), "GLOO_SOCKET_IFNAME": "lo"}
-        with environ(env):
-            proc = ctx.Process(target=run_rank, args=(rank, world, port, settings), name=f"collectives-rank{rank}")
-            proc.start()
-        procs.append(proc)
-    return procs
+    return start_local_ranks(run_rank, world, (world, free_port(), settings))
 
 
 def supervise(procs: list[mp.Process], timeout_s: float) -> int:

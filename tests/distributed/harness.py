@@ -9,20 +9,19 @@ call raises ``TimeoutError``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
-import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+
+from torch_tpu.distributed.local_ranks import free_port, start_local_ranks
 
 
 @dataclasses.dataclass
@@ -37,27 +36,7 @@ class RankResult:
         return self.error is None and self.exitcode == 0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _entry(fn, rank: int, world_size: int, port: int, group_timeout_s: float, results, args) -> None:
+def _entry(rank: int, fn, world_size: int, port: int, group_timeout_s: float, results, args) -> None:
     import torch
     import torch.distributed as dist
 
@@ -79,17 +58,8 @@ def _entry(fn, rank: int, world_size: int, port: int, group_timeout_s: float, re
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
               group_timeout_s: float = 30.0, env: dict[str, str] | None = None) -> list[RankResult]:
     """Runs ``fn(rank, world_size, *args)`` on every rank; returns each rank's result in rank order."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = []
-    for rank in range(world_size):
-        child_env = {"TORCH_TPU_NUM_DEVICES": str(world_size), "LOCAL_RANK": str(rank),
-                     "GLOO_SOCKET_IFNAME": "lo", **(env or {})}
-        with _environ(child_env):
-            p = ctx.Process(target=_entry, args=(fn, rank, world_size, port, group_timeout_s, results, args))
-            p.start()
-        procs.append(p)
+    results = mp.get_context("spawn").Queue()
+    procs = start_local_ranks(_entry, world_size, (fn, world_size, free_port(), group_timeout_s, results, args), env)
     deadline = time.monotonic() + timeout_s
     out = {rank: RankResult(rank) for rank in range(world_size)}
     reported = 0

@@ -35,8 +35,8 @@ def save_sharded(rank: int, world: int, path: str) -> None:
     dcp.save({"model": model.state_dict()}, checkpoint_id=path)
 
 
-def load_whole(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
-    model = make_model().to("tpu")
+def load_into(model: nn.Module, path: str) -> nn.Module:
+    """Zeroes the model's parameters (so nothing is left from its init), then loads the checkpoint."""
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
@@ -44,18 +44,15 @@ def load_whole(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
     dcp.load(state, checkpoint_id=path)
     model.load_state_dict(state["model"])
     assert all(p.device.type == "tpu" for p in model.parameters())
-    return {k: v.cpu() for k, v in model.state_dict().items()}
+    return model
+
+
+def load_whole(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
+    return {k: v.cpu() for k, v in load_into(make_model().to("tpu"), path).state_dict().items()}
 
 
 def load_sharded(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
-    model = sharded_model(world)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-    state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=path)
-    model.load_state_dict(state["model"])
-    return {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
+    return {k: v.full_tensor().cpu() for k, v in load_into(sharded_model(world), path).state_dict().items()}
 
 
 def test_dcp_saved_by_two_ranks_loads_on_one_and_on_three(tmp_path):

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.distributed.harness import free_port
+from torch_tpu.distributed.local_ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

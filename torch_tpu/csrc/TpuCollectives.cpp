@@ -54,51 +54,44 @@ at::Tensor owning_host_view(const at::Tensor& t) {
   return at::Tensor(std::move(impl));
 }
 
+bool is_list_of_tensor_lists(const c10::IValue& v) {
+  const auto& type = v.toList().elementType();
+  return type->kind() == c10::ListType::Kind &&
+      type->expectRef<c10::ListType>().getElementType()->kind() == c10::TensorType::Kind;
+}
+
+// The argument or result with every tensor in it (Tensor, Tensor[], Tensor[][]) mapped by f.
+template <typename F>
+c10::IValue map_tensors(const c10::IValue& v, const F& f) {
+  if (v.isTensor()) {
+    return f(v.toTensor());
+  }
+  if (v.isTensorList()) {
+    c10::List<at::Tensor> out;
+    for (const at::Tensor& t : v.toTensorList()) out.push_back(f(t));
+    return out;
+  }
+  if (v.isList() && is_list_of_tensor_lists(v)) {
+    c10::List<c10::List<at::Tensor>> out;
+    for (const c10::IValue& inner : v.toListRef()) out.push_back(map_tensors(inner, f).toTensorList());
+    return out;
+  }
+  return v;
+}
+
 // Swaps tpu tensors for their host views and remembers the pairs, so results
 // can be handed back as the caller's tpu tensors.
 class HostViews {
  public:
   c10::IValue to_host(const c10::IValue& v) {
-    if (v.isTensor()) {
-      return view(v.toTensor());
-    }
-    if (v.isTensorList()) {
-      c10::List<at::Tensor> out;
-      for (const at::Tensor& t : v.toTensorList()) out.push_back(view(t));
-      return out;
-    }
-    if (v.isList() && is_list_of_tensor_lists(v)) {
-      c10::List<c10::List<at::Tensor>> out;
-      for (const c10::IValue& inner : v.toListRef()) out.push_back(to_host(inner).toTensorList());
-      return out;
-    }
-    return v;
+    return map_tensors(v, [this](const at::Tensor& t) { return view(t); });
   }
 
   c10::IValue to_tpu(const c10::IValue& v) const {
-    if (v.isTensor()) {
-      return original(v.toTensor());
-    }
-    if (v.isTensorList()) {
-      c10::List<at::Tensor> out;
-      for (const at::Tensor& t : v.toTensorList()) out.push_back(original(t));
-      return out;
-    }
-    if (v.isList() && is_list_of_tensor_lists(v)) {
-      c10::List<c10::List<at::Tensor>> out;
-      for (const c10::IValue& inner : v.toListRef()) out.push_back(to_tpu(inner).toTensorList());
-      return out;
-    }
-    return v;
+    return map_tensors(v, [this](const at::Tensor& t) { return original(t); });
   }
 
  private:
-  static bool is_list_of_tensor_lists(const c10::IValue& v) {
-    const auto& type = v.toList().elementType();
-    return type->kind() == c10::ListType::Kind && type->expectRef<c10::ListType>().getElementType()->kind() ==
-        c10::TensorType::Kind;
-  }
-
   at::Tensor view(const at::Tensor& t) {
     if (!is_tpu(t)) {
       return t;
@@ -158,20 +151,8 @@ void lower_premul_sum(const c10::FunctionSchema& schema, torch::jit::Stack& args
     c10::IValue& v = args[i];
     if (name == "tensors") {
       for (const at::Tensor& t : v.toTensorList()) scale_in_place(t, *factor);
-    } else if (name == "input_tensor") {
-      v = scaled(v.toTensor(), *factor);
-    } else if (name == "inputs") {
-      c10::List<at::Tensor> out;
-      for (const at::Tensor& t : v.toTensorList()) out.push_back(scaled(t, *factor));
-      v = out;
-    } else if (name == "input_tensors") {
-      c10::List<c10::List<at::Tensor>> out;
-      for (const c10::IValue& inner : v.toListRef()) {
-        c10::List<at::Tensor> row;
-        for (const at::Tensor& t : inner.toTensorList()) row.push_back(scaled(t, *factor));
-        out.push_back(row);
-      }
-      v = out;
+    } else if (name == "input_tensor" || name == "inputs" || name == "input_tensors") {
+      v = map_tensors(v, [factor](const at::Tensor& t) { return scaled(t, *factor); });
     }
   }
   args[op_index] = c10::make_intrusive<c10d::ReduceOp>(c10d::ReduceOp::SUM);
