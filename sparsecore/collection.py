@@ -157,6 +157,12 @@ class SparseCoreCollection(nn.Module):
         weight = self._weights[stack.name]
         return weight.detach().index_select(0, logical_to_physical(stack, table, weight.device))
 
+    def table_optimizer_state(self, table: str) -> dict[str, torch.Tensor]:
+        """Copies of the table's rows of each optimizer state tensor, in logical row order."""
+        stack = self._stack_of(table)
+        state = self._optimizer_state.get(stack.name, {})
+        return {name: t.index_select(0, logical_to_physical(stack, table, t.device)) for name, t in state.items()}
+
     @torch.no_grad()
     def set_table_weight(self, table: str, weight: torch.Tensor) -> None:
         stack = self._stack_of(table)

@@ -1,0 +1,137 @@
+"""Input distribution: every rank's local KJT becomes, on each rank, a KJT of the global
+batch for the shards that rank holds.
+
+On the host, each feature's bags are routed to the ranks of its table's shards
+(row-sharded tables: each id to the shard that owns it, renumbered to its local
+id, with its gain — weight x the combiner's scale over the whole bag — as its
+weight, since the shard sees only part of the bag). One all_to_all carries the
+counts, one the lengths and ids, one the weights (when there are any). A
+receiver lays the sources' samples end to end: its batch is the global batch,
+rank 0's samples first.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from sparsecore.distributed.layout import Route, ShardLayout
+from sparsecore.errors import InputError
+
+
+def _bag_gains(lengths: torch.Tensor, weights: torch.Tensor | None, combiner: str, num_values: int) -> torch.Tensor:
+    """Weight x combiner scale of every id, over whole bags."""
+    w = weights if weights is not None else torch.ones(num_values)
+    bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    if combiner == "mean":
+        scale = 1.0 / lengths.clamp(min=1).float()
+    elif combiner == "sqrtn":
+        sq = torch.zeros(lengths.numel(), dtype=torch.float64).index_add_(0, bag, w.double() ** 2)
+        scale = torch.where(sq > 0, sq.rsqrt(), torch.zeros_like(sq)).float()
+    else:
+        return w
+    return w * scale[bag]
+
+
+def _split_for(route: Route, values: torch.Tensor, lengths: torch.Tensor, gains: torch.Tensor | None):
+    """(lengths, ids, weights) of one feature for one route."""
+    if route.rows is None:
+        return lengths, values, gains
+    keep = route.rows.shard_of(values) == route.shard
+    bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    kept_lengths = torch.bincount(bag[keep], minlength=lengths.numel())
+    return kept_lengths, route.rows.local_ids(values[keep]), None if gains is None else gains[keep]
+
+
+class InputDist:
+    """Routes local KJTs to the ranks' shards (see the module docstring)."""
+
+    def __init__(self, layout: ShardLayout, rank: int, group: dist.ProcessGroup | None):
+        self.layout, self.rank, self.group = layout, rank, group
+        self.world = layout.world_size
+        self.routes = layout.routes()
+        self.combiners = {f: c.combiner_name for c in layout.configs for f in c.feature_names}
+        self.row_sharded = {f for c in layout.configs for f in c.feature_names
+                            if any(s.rows is not None for s in layout.shards[c.name])}
+        self.local_features = layout.local_features(rank)
+        # Weights travel when the batch has them or a row-sharded bag needs its gains.
+        self.gains_needed = any(self.combiners[f] != "sum" for f in self.row_sharded)
+
+    def __call__(self, kjt: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, list[int]]:
+        """The global batch of this rank's shards, and every rank's batch size (rank order)."""
+        per_rank = self._route(kjt)
+        return self._exchange(per_rank, kjt.stride(), kjt.weights_or_none() is not None or self.gains_needed)
+
+    def _route(self, kjt: KeyedJaggedTensor) -> list[dict[str, tuple]]:
+        keys = kjt.keys()
+        unknown = sorted(set(keys) - set(self.routes))
+        missing = sorted(set(self.routes) - set(keys))
+        if unknown or missing:
+            raise InputError(f"the batch's features do not match the tables: unknown {unknown}, missing {missing}")
+        weighted = kjt.weights_or_none() is not None or self.gains_needed
+        per_rank: list[dict[str, tuple]] = [{} for _ in range(self.world)]
+        for feature, jagged in kjt.to_dict().items():
+            values, lengths = jagged.values().cpu().long(), jagged.lengths().cpu().long()
+            weights = jagged.weights_or_none()
+            weights = None if weights is None else weights.cpu().float()
+            gains = None
+            if weighted:
+                combiner = self.combiners[feature] if feature in self.row_sharded else "sum"
+                gains = _bag_gains(lengths, weights, combiner, values.numel())
+            for route in self.routes[feature]:
+                per_rank[route.rank][route.local_feature] = _split_for(route, values, lengths, gains)
+        return per_rank
+
+    def _exchange(self, per_rank: list[dict[str, tuple]], batch_size: int,
+                  weighted: bool) -> tuple[KeyedJaggedTensor, list[int]]:
+        sends, weight_sends, counts = [], [], []
+        for rank in range(self.world):
+            parts = [per_rank[rank][f] for f in self.layout.local_features(rank)]
+            lengths = [p[0] for p in parts]
+            values = [p[1] for p in parts]
+            sends.append(torch.cat(lengths + values) if parts else torch.zeros(0, dtype=torch.int64))
+            if weighted:
+                weight_sends.append(torch.cat([p[2] for p in parts]) if parts else torch.zeros(0))
+            counts.append([batch_size, sum(v.numel() for v in values)])
+        received = torch.empty(self.world, 2, dtype=torch.int64)
+        dist.all_to_all_single(received, torch.tensor(counts, dtype=torch.int64), group=self.group)
+        sizes = received.tolist()  # per source: (its batch size, ids it sends here)
+        num_local = len(self.local_features)
+        payload_sizes = [num_local * b + n for b, n in sizes]
+        payload = torch.empty(sum(payload_sizes), dtype=torch.int64)
+        dist.all_to_all_single(payload, torch.cat(sends), output_split_sizes=payload_sizes,
+                               input_split_sizes=[s.numel() for s in sends], group=self.group)
+        weights = None
+        if weighted:
+            weights = torch.empty(sum(n for _, n in sizes))
+            dist.all_to_all_single(weights, torch.cat(weight_sends), output_split_sizes=[n for _, n in sizes],
+                                   input_split_sizes=[w.numel() for w in weight_sends], group=self.group)
+        kjt = self._assemble(payload.split(payload_sizes),
+                             None if weights is None else weights.split([n for _, n in sizes]), sizes)
+        return kjt, [b for b, _ in sizes]
+
+    def _assemble(self, payloads, weights, sizes) -> KeyedJaggedTensor:
+        """Per local feature, the sources' bags end to end (rank order)."""
+        num_local = len(self.local_features)
+        lengths_by_feature = [[] for _ in range(num_local)]
+        values_by_feature = [[] for _ in range(num_local)]
+        weights_by_feature = [[] for _ in range(num_local)]
+        for source, (batch, _) in enumerate(sizes):
+            lengths = payloads[source][:num_local * batch].view(num_local, batch)
+            per_feature = lengths.sum(1).tolist()
+            values = payloads[source][num_local * batch:].split(per_feature)
+            w = weights[source].split(per_feature) if weights is not None else None
+            for j in range(num_local):
+                lengths_by_feature[j].append(lengths[j])
+                values_by_feature[j].append(values[j])
+                if w is not None:
+                    weights_by_feature[j].append(w[j])
+        cat = lambda parts, dtype: torch.cat([x for p in parts for x in p]) if parts else torch.zeros(0, dtype=dtype)  # noqa: E731
+        return KeyedJaggedTensor(
+            keys=list(self.local_features),
+            values=cat(values_by_feature, torch.int64),
+            lengths=cat(lengths_by_feature, torch.int64),
+            weights=cat(weights_by_feature, torch.float32) if weights is not None else None,
+            stride=sum(b for b, _ in sizes),
+        )

@@ -1,0 +1,123 @@
+"""A SparseCore embedding-bag collection sharded over a process group.
+
+``shard(module, plan)`` gives every rank an engine holding its shards (an
+ordinary ``SparseCoreEmbeddingBagCollection`` over the local tables) between
+the input and output distributions. ``forward(local KJT) -> KeyedTensor`` has
+the unsharded module's contract for the rank's own samples; the backward runs
+each shard's fused optimizer on its rows, with the gradient of every sample of
+the global batch that touched them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from sparsecore.distributed.input_dist import InputDist
+from sparsecore.distributed.layout import ShardLayout
+from sparsecore.distributed.output_dist import OutputDist
+from sparsecore.distributed.plan import COLUMN_WISE, ShardingPlan, default_plan
+from sparsecore.modules import SparseCoreEmbeddingBagCollection
+from sparsecore.optim import RowWiseAdagrad
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalShard:
+    """The rows and columns of one table this rank holds, with their optimizer state."""
+
+    table: str
+    rows: torch.Tensor
+    """Table id of each row of ``weight`` (row-sharded: the ids this shard owns)."""
+    columns: tuple[int, int]
+    """(first column, width) of the table's dim."""
+    weight: torch.Tensor
+    state: dict[str, torch.Tensor]
+    """Per optimizer state name (e.g. ``"momentum"``): its rows, aligned with ``weight``."""
+
+
+class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
+    """The sharded module (see the module docstring)."""
+
+    def __init__(self, module: SparseCoreEmbeddingBagCollection, plan: ShardingPlan,
+                 process_group: dist.ProcessGroup | None = None):
+        super().__init__()
+        self._group = process_group
+        self._rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+        if plan.world_size != world:
+            raise ValueError(f"the plan is for {plan.world_size} ranks but the process group has {world}")
+        self._configs = list(module._configs)
+        self.plan = plan
+        self._layout = ShardLayout(self._configs, plan)
+        if isinstance(module._optimizer, RowWiseAdagrad):
+            split = [c.name for c in self._configs if plan.tables[c.name].sharding_type == COLUMN_WISE]
+            if split:
+                # Its per-row statistic spans the whole row: each column shard alone would see part of it.
+                raise NotImplementedError(f"row-wise Adagrad on column_wise tables {split} is not supported yet; "
+                                          f"shard them table_wise or row_wise, or use Adagrad")
+        local = self._layout.local[self._rank]
+        device = module._device if module._device.type != "meta" else torch.device("tpu")
+        self.engine = None
+        if local:
+            self.engine = SparseCoreEmbeddingBagCollection(
+                [s.local_config() for s in local], module._optimizer, device,
+                num_sparsecores=plan.sparsecores_per_chip, allow_id_dropping=module._allow_id_dropping)
+            if module._device.type != "meta":
+                self._copy_weights(module)
+        self._device = device
+        self._input_dist = InputDist(self._layout, self._rank, process_group)
+        self._output_dist = OutputDist(self._layout.output_gathers(),
+                                       [self._layout.local_width(r) for r in range(world)], process_group)
+        self._keys = [f for c in self._configs for f in c.feature_names]
+        self._dims = [c.embedding_dim for c in self._configs for _ in c.feature_names]
+
+    @torch.no_grad()
+    def _copy_weights(self, module: SparseCoreEmbeddingBagCollection) -> None:
+        for s in self._layout.local[self._rank]:
+            full = module.table_weight(s.table)
+            ids = s.global_ids()
+            rows = torch.zeros(s.num_rows, s.width, dtype=full.dtype)
+            valid = ids < s.source.num_embeddings
+            rows[valid] = full[ids[valid].to(full.device)][:, s.column_offset:s.column_offset + s.width].cpu()
+            self.engine.set_table_weight(s.local_table, rows)
+
+    def embedding_bag_configs(self):
+        return [c.config for c in self._configs]
+
+    @property
+    def fused_optimizer(self):
+        """The local engine's KeyedOptimizer (its learning rate drives this rank's shards)."""
+        return self.engine.fused_optimizer if self.engine is not None else None
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        local_batch, batch_sizes = self._input_dist(features)
+        if self.engine is not None:
+            pooled = self.engine(local_batch).values()
+        else:
+            pooled = torch.zeros(local_batch.stride(), 0, device=self._device)
+        values = self._output_dist(pooled, batch_sizes, self._rank)
+        return KeyedTensor(keys=self._keys, length_per_key=self._dims, values=values)
+
+    def local_shards(self) -> list[LocalShard]:
+        """This rank's pieces of every table (for checkpoints and checks)."""
+        out = []
+        for s in self._layout.local[self._rank]:
+            ids = s.global_ids()
+            valid = ids < s.source.num_embeddings
+            state = {k: v[valid] for k, v in self.engine.table_optimizer_state(s.local_table).items()}
+            out.append(LocalShard(table=s.table, rows=ids[valid], columns=(s.column_offset, s.width),
+                                  weight=self.engine.table_weight(s.local_table)[valid.to(self._device)], state=state))
+        return out
+
+
+def shard(module: SparseCoreEmbeddingBagCollection, plan: ShardingPlan | None = None,
+          process_group: dist.ProcessGroup | None = None) -> ShardedSparseCoreEmbeddingBagCollection:
+    """``module`` sharded over the process group by ``plan`` (default: ``default_plan``)."""
+    if not isinstance(module, SparseCoreEmbeddingBagCollection):
+        raise TypeError(f"shard takes a SparseCoreEmbeddingBagCollection, got {type(module).__name__}")
+    if plan is None:
+        plan = default_plan(module._configs, dist.get_world_size(process_group))
+    return ShardedSparseCoreEmbeddingBagCollection(module, plan, process_group)

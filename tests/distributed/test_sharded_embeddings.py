@@ -1,0 +1,233 @@
+"""Sharded SparseCore embedding bags over tpu_dist against the unsharded module on the global batch.
+
+Every rank feeds its own samples (uneven batch sizes, empty bags, a feature
+empty on a whole rank); the reference is one unsharded module on the CPU fed
+every rank's samples end to end. Outputs per step, then weights and optimizer
+state after the steps, must agree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torchrec import EmbeddingBagConfig, PoolingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torch.testing import assert_close
+
+import sparsecore
+from sparsecore import optim
+from sparsecore.distributed import ShardingPlan, TableSharding, shard
+from tests.distributed.harness import assert_all_ok, run_ranks
+
+STEPS = 3
+
+
+def tables() -> list[sparsecore.SparseCoreEmbeddingConfig]:
+    def bag(name, rows, dim, features, pooling=PoolingType.SUM, **extra):
+        return sparsecore.SparseCoreEmbeddingConfig(
+            config=EmbeddingBagConfig(name=name, num_embeddings=rows, embedding_dim=dim, feature_names=features,
+                                      pooling=pooling), **extra)
+
+    return [
+        bag("big", 50, 8, ["f_big"]),
+        bag("shared", 9, 8, ["f_a", "f_b"], PoolingType.MEAN),
+        bag("tiny", 3, 4, ["f_tiny"]),  # fewer rows than SparseCores of one rank
+        bag("wide", 30, 16, ["f_wide"], combiner="sqrtn"),
+    ]
+
+
+def initial_weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return {t.name: torch.randn(t.num_embeddings, t.embedding_dim, generator=g) for t in tables()}
+
+
+def local_batch(rank: int, step: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Rank ``rank``'s samples at ``step``: 3 + rank of them; f_tiny is empty on rank 1."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    batch = 3 + rank
+    out = {}
+    for t in tables():
+        for f in t.feature_names:
+            lengths = torch.randint(0, 4, (batch,), generator=g)
+            if f == "f_tiny" and rank == 1:
+                lengths.zero_()
+            out[f] = (lengths, torch.randint(0, t.num_embeddings, (int(lengths.sum()),), generator=g))
+    return out
+
+
+def kjt_of(batches: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]) -> KeyedJaggedTensor:
+    """The samples of the given batches end to end, as one KJT."""
+    keys = [f for t in tables() for f in t.feature_names]
+    return KeyedJaggedTensor(keys=keys, values=torch.cat([b[f][1] for f in keys for b in batches]),
+                             lengths=torch.cat([b[f][0] for f in keys for b in batches]))
+
+
+def output_grad(rank: int, step: int, width: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7000 + 100 * step + rank)
+    return torch.randn(3 + rank, width, generator=g)
+
+
+def make_module(optimizer, device) -> sparsecore.SparseCoreEmbeddingBagCollection:
+    module = sparsecore.SparseCoreEmbeddingBagCollection(tables(), optimizer, device)
+    for name, w in initial_weights().items():
+        module.set_table_weight(name, w)
+    return module
+
+
+def train_sharded(rank: int, world: int, plan_json: str, optimizer) -> dict:
+    module = shard(make_module(optimizer, "tpu"), ShardingPlan.from_json(plan_json))
+    outputs = []
+    for step in range(STEPS):
+        out = module(kjt_of([local_batch(rank, step)]))
+        assert out.keys() == [f for t in tables() for f in t.feature_names]
+        assert out.values().device.type == "tpu"
+        outputs.append(out.values().detach().cpu())
+        out.values().backward(output_grad(rank, step, out.values().shape[1]).to("tpu"))
+    shards = [(s.table, s.rows, s.columns, s.weight.cpu(), {k: v.cpu() for k, v in s.state.items()})
+              for s in module.local_shards()]
+    return {"outputs": outputs, "shards": shards}
+
+
+def reference(world: int, optimizer) -> tuple[list[torch.Tensor], sparsecore.SparseCoreEmbeddingBagCollection]:
+    module = make_module(optimizer, "cpu")
+    outputs = []
+    for step in range(STEPS):
+        out = module(kjt_of([local_batch(r, step) for r in range(world)]))
+        outputs.append(out.values().detach())
+        width = out.values().shape[1]
+        out.values().backward(torch.cat([output_grad(r, step, width) for r in range(world)]))
+    return outputs, module
+
+
+def plan_for(kind: str, world: int) -> ShardingPlan:
+    last = world - 1
+    every = tuple(range(world))
+    if kind == "table_wise":
+        shardings = {"big": ("table_wise", (0,)), "shared": ("table_wise", (last,)),
+                     "tiny": ("table_wise", (1 % world,)), "wide": ("table_wise", (0,))}
+    elif kind == "row_wise":
+        shardings = {name: ("row_wise", every) for name in ("big", "shared", "tiny", "wide")}
+    elif kind == "column_wise":
+        shardings = {"big": ("column_wise", every[:2], (4, 4)), "shared": ("column_wise", (last, 0), (3, 5)),
+                     "tiny": ("table_wise", (last,)),
+                     "wide": ("column_wise", every, (4, 4, 8) if world == 3 else (10, 6))}
+    elif kind == "table_row_wise":
+        hosts = ((0,), (1,)) if world == 2 else ((0, 1), (2,))
+        shardings = {"big": ("table_row_wise", hosts[0]), "shared": ("table_row_wise", hosts[1]),
+                     "tiny": ("table_row_wise", hosts[0]), "wide": ("row_wise", every)}
+        return ShardingPlan(world_size=world, hosts=hosts, tables={
+            name: TableSharding(sharding_type=s[0], ranks=s[1]) for name, s in shardings.items()})
+    else:  # the default plan
+        return sparsecore.distributed.default_plan(tables(), world)
+    return ShardingPlan(world_size=world, tables={
+        name: TableSharding(sharding_type=s[0], ranks=s[1], column_widths=s[2] if len(s) > 2 else None)
+        for name, s in shardings.items()})
+
+
+OPTIMIZERS = {
+    "table_wise": optim.RowWiseAdagrad(lr=0.1),
+    "row_wise": optim.Adam(lr=0.05),
+    "column_wise": optim.Adagrad(lr=0.1),
+    "table_row_wise": optim.RowWiseAdagrad(lr=0.1),
+    "default": optim.SGD(lr=0.1),
+}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+def test_sharded_training_equals_unsharded(kind, world):
+    optimizer = OPTIMIZERS[kind]
+    plan = plan_for(kind, world)
+    plan.validate(tables())
+    results = assert_all_ok(run_ranks(train_sharded, world, plan.to_json(), optimizer))
+    expected_outputs, ref = reference(world, optimizer)
+    starts = [sum(3 + r for r in range(rank)) for rank in range(world)]
+    for rank, result in enumerate(results):
+        for step, out in enumerate(result["outputs"]):
+            assert_close(out, expected_outputs[step][starts[rank]:starts[rank] + 3 + rank],
+                         msg=lambda m: f"rank {rank} step {step}: {m}")
+    covered = {t.name: torch.zeros(t.num_embeddings, t.embedding_dim, dtype=torch.int64) for t in tables()}
+    for result in results:
+        for table, rows, (first, width), weight, state in result["shards"]:
+            columns = slice(first, first + width)
+            assert_close(weight, ref.table_weight(table)[rows][:, columns], msg=lambda m: f"{table}: {m}")
+            for name, value in ref.table_optimizer_state(table).items():
+                want = value[rows] if value.dim() == 1 else value[rows][:, columns]
+                assert_close(state[name], want, msg=lambda m: f"{table} {name}: {m}")
+            covered[table][rows, columns] += 1
+    for table, count in covered.items():
+        assert bool((count == 1).all()), f"{table}: every element held by exactly one shard"
+
+
+BIG_ROWS, BIG_DIM = 200_000, 32
+BIG_BYTES = BIG_ROWS * BIG_DIM * 4
+
+
+def big_tables() -> list[EmbeddingBagConfig]:
+    return [EmbeddingBagConfig(name=f"big{i}", num_embeddings=BIG_ROWS, embedding_dim=BIG_DIM,
+                               feature_names=[f"f{i}"], init_fn=torch.nn.init.ones_) for i in range(2)]
+
+
+def memory_of_shards(rank: int, world: int, kind: str) -> dict:
+    module = sparsecore.SparseCoreEmbeddingBagCollection(big_tables(), optim.SGD(lr=0.1), device="meta")
+    torch.tpu.reset_peak_memory_stats()
+    before = torch.tpu.memory_allocated()
+    ranks = {"table_wise": lambda i: (i,), "row_wise": lambda i: (0, 1)}[kind]
+    plan = ShardingPlan(world_size=world, tables={
+        f"big{i}": TableSharding(sharding_type=kind, ranks=ranks(i)) for i in range(2)})
+    sharded = shard(module, plan)
+    held, peak = torch.tpu.memory_allocated() - before, torch.tpu.max_memory_allocated() - before
+    weights = [s.weight for s in sharded.local_shards()]
+    return {"held": held, "peak": peak, "rows": sum(w.shape[0] for w in weights),
+            "ones": all(bool((w == 1).all()) for w in weights)}  # init_fn ran on the local shards
+
+
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise"])
+def test_a_meta_module_materializes_only_the_local_shards(kind):
+    for result in assert_all_ok(run_ranks(memory_of_shards, 2, kind)):
+        assert result["rows"] == BIG_ROWS  # one table, or half of each
+        assert result["ones"]
+        # What stays is this rank's shards (half the model); the peak adds one table-shard-sized
+        # buffer that init_fn fills before its rows go to their SparseCores, and the row index.
+        assert BIG_BYTES <= result["held"] < 1.1 * BIG_BYTES, result
+        assert result["peak"] < 2.5 * BIG_BYTES, result
+
+
+def column_wise_rowwise_adagrad(rank: int, world: int) -> str:
+    plan = ShardingPlan(world_size=world, tables={
+        t.name: TableSharding(sharding_type="column_wise", ranks=(0, 1), column_widths=(t.embedding_dim // 2,) * 2)
+        for t in tables()})
+    try:
+        shard(make_module(optim.RowWiseAdagrad(lr=0.1), "tpu"), plan)
+    except NotImplementedError as e:
+        return str(e)
+    return "sharded"
+
+
+def test_column_wise_row_wise_adagrad_is_refused_clearly():
+    for message in assert_all_ok(run_ranks(column_wise_rowwise_adagrad, 2)):
+        assert "row-wise Adagrad on column_wise tables" in message, message
+
+
+def a_rank_dies_mid_training(rank: int, world: int) -> str:
+    import os
+    import time
+
+    module = shard(make_module(optim.SGD(lr=0.1), "tpu"), plan_for("row_wise", world))
+    module(kjt_of([local_batch(rank, 0)])).values().sum().backward()
+    if rank == 1:
+        os._exit(3)
+    started = time.monotonic()
+    try:
+        module(kjt_of([local_batch(rank, 1)]))
+    except RuntimeError as e:
+        return f"{time.monotonic() - started:.1f}s {e}"
+    return "completed"
+
+
+def test_a_rank_failure_surfaces_as_an_error_not_a_hang():
+    results = run_ranks(a_rank_dies_mid_training, 2, group_timeout_s=5.0, timeout_s=60)
+    assert results[1].exitcode == 3
+    assert results[0].ok, results[0].error
+    seconds, message = results[0].value.split("s ", 1)
+    assert float(seconds) < 10 and ("closed" in message or "reset" in message), results[0].value
