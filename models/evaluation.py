@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torchmetrics.classification import BinaryAUROC
@@ -11,20 +11,26 @@ from data.loader import Batch
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: Iterable[Batch], device: torch.device) -> dict[str, float]:
-    """``{"auc", "log_loss", "samples"}`` of the model's predicted click probabilities."""
+def evaluate(model: torch.nn.Module, batches: Iterable[Batch], device: torch.device,
+             gather: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict[str, float]:
+    """``{"auc", "log_loss", "samples"}`` of the model's predicted click probabilities.
+
+    ``gather`` collects every rank's logits and labels (models.distributed.gather) so
+    that ranks reading slices of the split report the metrics of the whole split.
+    """
     was_training = model.training
     model.eval()
-    auroc = BinaryAUROC()
-    loss_sum, count = 0.0, 0
+    logits, labels = [], []
     try:
         for batch in batches:
-            logits = model(batch.dense.to(device), batch.sparse).squeeze(-1).float().cpu()
-            loss_sum += float(torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum"))
-            count += len(batch)
-            auroc.update(torch.sigmoid(logits), batch.labels.long())
+            logits.append(model(batch.dense.to(device), batch.sparse).squeeze(-1).float().cpu())
+            labels.append(batch.labels)
     finally:
         model.train(was_training)
-    if count == 0:
+    if not logits:
         raise ValueError("evaluation got no batches")
-    return {"auc": float(auroc.compute()), "log_loss": loss_sum / count, "samples": count}
+    logits, labels = gather(torch.cat(logits)), gather(torch.cat(labels))
+    auroc = BinaryAUROC()
+    auroc.update(torch.sigmoid(logits), labels.long())
+    log_loss = float(torch.nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="mean"))
+    return {"auc": float(auroc.compute()), "log_loss": log_loss, "samples": len(labels)}

@@ -35,7 +35,7 @@ import sparsecore
 from data import schema
 from data.loader import ArraySource, BatchLoader, Source
 from data.synthetic import PRESETS, SyntheticConfig, SyntheticCriteo
-from models import checkpoint
+from models import checkpoint, distributed
 from models.dlrm import DLRM, DLRM_DCN
 from models.evaluation import evaluate
 
@@ -96,6 +96,8 @@ class TrainConfig:
     metrics_file: str | None = None
     """JSON lines of metrics (default: <checkpoint_dir>/metrics.jsonl when there is a checkpoint dir)."""
     progress: bool = True
+    plan: str | None = None
+    """Under torchrun: a sharding plan (JSON, sparsecore.distributed.ShardingPlan); default: the default plan."""
 
     def __post_init__(self) -> None:
         if self.model not in ("dlrm", "dcn"):
@@ -115,7 +117,7 @@ class TrainConfig:
         """What a checkpoint must agree on to be resumed (not run length or bookkeeping)."""
         fixed = dataclasses.asdict(self)
         for key in ("epochs", "steps", "eval_interval", "eval_batches", "num_workers", "checkpoint_dir",
-                    "checkpoint_interval", "resume", "metrics_file", "progress"):
+                    "checkpoint_interval", "resume", "metrics_file", "progress", "plan"):
             fixed.pop(key)
         return fixed
 
@@ -232,16 +234,26 @@ class _Interrupt:
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
+        self.rank, self.world_size = distributed.world_from_env()
+        if self.world_size > 1 and cfg.checkpoint_dir:
+            raise ValueError("checkpoints of a sharded run are not supported yet (distributed checkpointing is "
+                             "to come); run without --checkpoint-dir")
         self.device = torch.device(cfg.device)
         self.data = build_data(cfg)
         self.model = build_model(cfg, self.data, self.device)
-        self.ebc = self.model.sparse_arch.embedding_bag_collection
         self.dense_opt = DENSE_OPTIMIZERS[cfg.dense_optimizer](dense_parameters(self.model), lr=cfg.dense_lr)
+        preprocessor = None  # sharded: ids go to their shards first, each rank's engine preprocesses there
+        if self.world_size > 1:
+            ebc = self.model.sparse_arch.embedding_bag_collection
+            distributed.shard_embeddings(self.model, distributed.load_plan(cfg.plan, ebc, self.world_size))
+            self.model = distributed.data_parallel(self.model)
+        else:
+            preprocessor = self.model.sparse_arch.embedding_bag_collection.preprocessor()
+        self.ebc = self._unwrapped.sparse_arch.embedding_bag_collection
         workers = cfg.num_workers
-        self.train_loader = BatchLoader(self.data.train, cfg.batch_size, seed=cfg.seed, shuffle=True,
-                                        preprocessor=self.ebc.preprocessor(), num_workers=workers)
-        self.val_loader = BatchLoader(self.data.val, cfg.batch_size, shuffle=False,
-                                      preprocessor=self.ebc.preprocessor(), num_workers=workers)
+        shards = dict(rank=self.rank, world_size=self.world_size, preprocessor=preprocessor, num_workers=workers)
+        self.train_loader = BatchLoader(self.data.train, cfg.batch_size, seed=cfg.seed, shuffle=True, **shards)
+        self.val_loader = BatchLoader(self.data.val, cfg.batch_size, shuffle=False, **shards)
         per_epoch = len(self.train_loader)
         self.total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * per_epoch
         self.step = 0
@@ -251,6 +263,10 @@ class Trainer:
         self.losses: list[float] = []
         if cfg.resume:
             self._restore()
+
+    @property
+    def _unwrapped(self) -> torch.nn.Module:
+        return self.model.module if isinstance(self.model, torch.nn.parallel.DistributedDataParallel) else self.model
 
     # ---- checkpoints ----
 
@@ -283,7 +299,7 @@ class Trainer:
     # ---- metrics ----
 
     def _record(self, entry: dict[str, Any]) -> None:
-        if self.metrics_path is None:
+        if self.metrics_path is None or self.rank != 0:
             return
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.metrics_path, "a") as f:
@@ -293,7 +309,7 @@ class Trainer:
         batches = iter(self.val_loader)
         if self.cfg.eval_batches is not None:
             batches = (b for _, b in zip(range(self.cfg.eval_batches), batches))
-        return evaluate(self.model, batches, self.device)
+        return evaluate(self.model, batches, self.device, gather=distributed.gather)
 
     # ---- training ----
 
@@ -307,12 +323,16 @@ class Trainer:
             epoch, start = epoch + 1, 0
 
     def train_step(self, batch) -> float:
+        """One step; returns the global batch's mean loss."""
         logits = self.model(batch.dense.to(self.device), batch.sparse).squeeze(-1)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.to(self.device))
+        # Sum over this rank's samples / the global batch: with DDP summing, every rank
+        # trains on the global batch's mean loss (models.distributed).
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            logits, batch.labels.to(self.device), reduction="sum") / self.cfg.batch_size
         self.dense_opt.zero_grad(set_to_none=True)
         loss.backward()
         self.dense_opt.step()
-        return loss.detach().item()
+        return distributed.global_sum(loss.detach()).item()
 
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -321,7 +341,7 @@ class Trainer:
         summary: dict[str, Any] = {"teacher_auc": self.data.teacher_auc}
         # Throughput counts training steps only, not validation or checkpoints.
         samples, train_time, window_loss, window_steps = 0, 0.0, 0.0, 0
-        bar = tqdm(total=self.total_steps, initial=self.step, unit="step", disable=not cfg.progress,
+        bar = tqdm(total=self.total_steps, initial=self.step, unit="step", disable=not cfg.progress or self.rank != 0,
                    dynamic_ncols=True, file=sys.stderr)
         interrupted = False
         with torch.tpu.precision(cfg.precision) if self.device.type == "tpu" else contextlib.nullcontext(), _Interrupt() as stop:
@@ -346,8 +366,9 @@ class Trainer:
                     self._record(entry)
                     summary.update(entry)
                     window_loss, window_steps = 0.0, 0
-                    bar.write(f"step {self.step}: train loss {entry['train_loss']:.4f}, val AUC {metrics['auc']:.4f}, "
-                              f"val log loss {metrics['log_loss']:.4f}")
+                    if self.rank == 0:
+                        bar.write(f"step {self.step}: train loss {entry['train_loss']:.4f}, "
+                                  f"val AUC {metrics['auc']:.4f}, val log loss {metrics['log_loss']:.4f}")
                 if last or (self.checkpoint_path and self.step % cfg.checkpoint_interval == 0):
                     self._save()
                 if stop.requested:
@@ -411,6 +432,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--metrics-file", default=None)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--plan", default=None, help="under torchrun: a sharding plan JSON (default: the default plan)")
     a = p.parse_args(argv)
     dense_arch = a.dense_arch or (*defaults.dense_arch[:-1], a.embedding_dim)
     try:
@@ -423,7 +445,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
             eval_interval=a.eval_interval, eval_batches=a.eval_batches, seed=a.seed, device=a.device,
             precision=a.precision, num_workers=a.num_workers, checkpoint_dir=a.checkpoint_dir,
             checkpoint_interval=a.checkpoint_interval, resume=a.resume, metrics_file=a.metrics_file,
-            progress=not a.no_progress)
+            progress=not a.no_progress, plan=a.plan)
     except ValueError as error:
         p.error(str(error))
 
@@ -437,6 +459,11 @@ def main(argv: list[str] | None = None) -> int:
     except (checkpoint.CheckpointError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
     teacher = summary.get("teacher_auc")
     if "val_auc" in summary:
         print(f"final validation AUC {summary['val_auc']:.4f}"

@@ -10,6 +10,7 @@ the global batch that touched them.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 
 import torch
@@ -100,6 +101,13 @@ class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
             pooled = torch.zeros(local_batch.stride(), 0, device=self._device)
         values = self._output_dist(pooled, batch_sizes, self._rank)
         return KeyedTensor(keys=self._keys, length_per_key=self._dims, values=values)
+
+    def forward_async(self, features: KeyedJaggedTensor) -> concurrent.futures.Future:
+        """forward, run at once: its collectives must keep the same order on every rank, so
+        they stay on the calling thread (the engine's lookup inside still runs on the device)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(self.forward(features))
+        return done
 
     def local_shards(self) -> list[LocalShard]:
         """This rank's pieces of every table (for checkpoints and checks)."""
