@@ -10,7 +10,7 @@ the module trains) holds the optimizer state the same way.
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from sparsecore.config import SparseCoreEmbeddingConfig, TorchRecConfig, as_sparsecore_config
 from sparsecore.errors import InputError
 from sparsecore.executor import executor_for
-from sparsecore.fused import fused_lookup, placeholder
+from sparsecore.fused import exchanged_lookup, fused_lookup, placeholder
 from sparsecore.fused_optimizer import FusedOptimizer, StepCount, TableState
 from sparsecore.kernels import lookup
 from sparsecore.optim import Optimizer, from_torch_optim
@@ -70,6 +70,7 @@ class SparseCoreCollection(nn.Module):
             self._weights[stack.name] = nn.Parameter(weight, requires_grad=False)
         self.reset_parameters()
         self._optimizer = None if optimizer is None else from_torch_optim(optimizer)
+        self._row_exchanges: dict[str, Callable] = {}
         self._init_optimizer_state()
         self._register_state_dict_hook(_logical_state_dict)
         self._register_load_state_dict_pre_hook(_load_logical_state_dict, with_module=True)
@@ -203,9 +204,23 @@ class SparseCoreCollection(nn.Module):
                 coo.sample_ids.to(weight.device), coo.gains.to(weight.device))
         if self._optimizer is None or not torch.is_grad_enabled():
             return lookup(weight, *args, coo.num_bags, coo.batch_size)
+        exchange = self._row_exchanges.get(stack.name)
+        if exchange is not None:
+            return exchanged_lookup(self._placeholder, weight, list(self._optimizer_state[stack.name].values()),
+                                    self._steps[stack.name], self._hyper, (*args, coo.num_bags, coo.batch_size),
+                                    self._optimizer.kernel_code, exchange, stack.rows_per_sparsecore)
         return fused_lookup(self._placeholder, weight, list(self._optimizer_state[stack.name].values()),
                             self._steps[stack.name], self._hyper, *args, coo.num_bags, coo.batch_size,
                             self._optimizer.kernel_code)
+
+    def set_row_exchange(self, stack: str, exchange: Callable) -> None:
+        """Splits the stack's fused backward around ``exchange(rows, grads) -> (rows, grads,
+        row_mean_sq | None)``: the batch's touched physical rows and summed gradients go
+        through it before the optimizer steps (sparsecore.distributed combines them across
+        ranks there). ``row_mean_sq``, if given, is row-wise Adagrad's whole-row statistic."""
+        if stack not in {s.name for s in self._stacks}:
+            raise KeyError(f"no stack {stack!r}; the stacks are {[s.name for s in self._stacks]}")
+        self._row_exchanges[stack] = exchange
 
     def forward_async(self, features: KeyedJaggedTensor | PreprocessedBatch) -> concurrent.futures.Future:
         """Runs forward (preprocessing included) on the device's SparseCore executor.

@@ -60,3 +60,34 @@ fused_lookup.register_autograd(_backward, setup_context=_setup_context)
 
 def placeholder(device: torch.device | str) -> torch.Tensor:
     return torch.zeros(0, device=device, requires_grad=True)
+
+
+class _ExchangedLookup(torch.autograd.Function):
+    """The lookup whose backward is split around an exchange of row gradients: (rows,
+    summed gradients) of the batch, then ``exchange`` (e.g. combining them across
+    devices: sparsecore.distributed), then the optimizer on what it returns."""
+
+    @staticmethod
+    def forward(ctx, placeholder, weight, state, step, hyper, coo, optimizer, exchange, rows_per_sparsecore):
+        ctx.state, ctx.step, ctx.hyper, ctx.coo = state, step, hyper, coo
+        ctx.weight, ctx.optimizer, ctx.exchange, ctx.rows_per_sparsecore = weight, optimizer, exchange, rows_per_sparsecore
+        return torch.ops.sparsecore.lookup(weight, *coo)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        row_pointers, embedding_ids, sample_ids, gains, _, batch_size = ctx.coo
+        rows, grads = torch.ops.sparsecore.row_gradients(grad_output, row_pointers, embedding_ids, sample_ids, gains,
+                                                         batch_size, ctx.rows_per_sparsecore)
+        rows, grads, row_mean_sq = ctx.exchange(rows, grads)
+        torch.ops.sparsecore.apply_rows(ctx.weight, ctx.state, ctx.step, rows, grads, ctx.optimizer, ctx.hyper,
+                                        row_mean_sq)
+        return (None,) * 9
+
+
+def exchanged_lookup(placeholder, weight, state, step, hyper, coo, optimizer: int, exchange,
+                     rows_per_sparsecore: int) -> torch.Tensor:
+    """``fused_lookup`` with ``exchange(rows, grads) -> (rows, grads, row_mean_sq | None)``
+    between the backward's row gradients and the optimizer step. ``coo`` is (row_pointers,
+    embedding_ids, sample_ids, gains, num_bags, batch_size)."""
+    return _ExchangedLookup.apply(placeholder, weight, state, step, hyper, coo, optimizer, exchange,
+                                  rows_per_sparsecore)

@@ -13,9 +13,12 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <cmath>
+#include <optional>
+#include <tuple>
 #include <vector>
 
 namespace sparsecore {
@@ -54,9 +57,12 @@ void sort_by_row(std::vector<uint64_t>& keys, std::vector<uint64_t>& scratch, in
   }
 }
 
+// row_mean_sq: row-wise Adagrad's mean squared gradient of the whole row when
+// this table holds only some of its columns (given by the caller); nullptr:
+// computed here from g.
 template <typename scalar_t>
 void step_row(scalar_t* w, const float* g, int64_t dim, int64_t optimizer, const Hyper& h,
-              float* s0, float* s1) {
+              float* s0, float* s1, const float* row_mean_sq = nullptr) {
   switch (optimizer) {
     case kSGD:
       for (int64_t d = 0; d < dim; ++d) w[d] = static_cast<float>(w[d]) - h.lr() * g[d];
@@ -72,7 +78,7 @@ void step_row(scalar_t* w, const float* g, int64_t dim, int64_t optimizer, const
     case kRowWiseAdagrad: {  // s0: one accumulator for the row
       float mean_sq = 0;
       for (int64_t d = 0; d < dim; ++d) mean_sq += g[d] * g[d];
-      s0[0] += mean_sq / static_cast<float>(dim);
+      s0[0] += row_mean_sq ? *row_mean_sq : mean_sq / static_cast<float>(dim);
       const float scale = h.lr() / (std::sqrt(s0[0]) + h.p[1]);
       for (int64_t d = 0; d < dim; ++d) w[d] = static_cast<float>(w[d]) - scale * g[d];
       break;
@@ -108,26 +114,26 @@ void step_row(scalar_t* w, const float* g, int64_t dim, int64_t optimizer, const
   }
 }
 
-// step: int64 [1], the stack's update count, incremented here (Adam's bias
-// correction). hyper: float64 [6] on the host (see Hyper), so the learning
-// rate can change between steps without a new graph.
-void backward_update(const at::Tensor& weight, at::TensorList state, const at::Tensor& step,
-                     const at::Tensor& grad_output, const at::Tensor& row_pointers,
-                     const at::Tensor& embedding_ids, const at::Tensor& sample_ids,
-                     const at::Tensor& gains, int64_t batch_size, int64_t optimizer,
-                     const at::Tensor& hyper) {
-  TORCH_CHECK(weight.is_contiguous() && weight.dim() == 2, "backward_update: weight must be a contiguous 2-D table");
-  TORCH_CHECK(hyper.numel() == 6 && hyper.scalar_type() == at::kDouble, "backward_update: hyper must be float64 [6]");
-  TORCH_CHECK(step.numel() == 1 && step.scalar_type() == at::kLong, "backward_update: step must be one int64");
+Hyper read_hyper(const at::Tensor& hyper, const at::Tensor& step) {
+  TORCH_CHECK(hyper.numel() == 6 && hyper.scalar_type() == at::kDouble, "sparsecore update: hyper must be float64 [6]");
+  TORCH_CHECK(step.numel() == 1 && step.scalar_type() == at::kLong, "sparsecore update: step must be one int64");
   const double* hp = hyper.const_data_ptr<double>();
-  int64_t* count = step.mutable_data_ptr<int64_t>();
   Hyper h{};
   for (int i = 0; i < 6; ++i) h.p[i] = static_cast<float>(hp[i]);
-  h.step = ++count[0];
+  h.step = ++step.mutable_data_ptr<int64_t>()[0];
+  return h;
+}
+
+// Calls on_row(physical row, summed gradient) once for every row a stack's COO
+// buffers touch, in parallel over (owner, bucket of rows) tasks (rows of
+// different tasks never meet); prefetch(physical row) is called ahead.
+template <typename OnRow, typename Prefetch>
+void for_each_touched_row(const at::Tensor& grad_output, const at::Tensor& row_pointers,
+                          const at::Tensor& embedding_ids, const at::Tensor& sample_ids, const at::Tensor& gains,
+                          int64_t batch_size, int64_t rows_per_sc, const OnRow& on_row, const Prefetch& ahead) {
   const int64_t n = row_pointers.size(0);
   const int64_t width = embedding_ids.size(1);
-  const int64_t dim = weight.size(1);
-  const int64_t rows_per_sc = weight.size(0) / n;
+  const int64_t dim = grad_output.size(1);
   // A bag's gradient is in the output row the lookup wrote it to.
   const int64_t bags_per_slot = std::max<int64_t>(batch_size, 1);
   const OutputRows grad_row{bags_per_slot, grad_output.size(0) / bags_per_slot};
@@ -141,54 +147,141 @@ void backward_update(const at::Tensor& weight, at::TensorList state, const at::T
   const int32_t* sp = samples.const_data_ptr<int32_t>();
   const float* gp = gn.const_data_ptr<float>();
   const float* go = grad.const_data_ptr<float>();
-  float* s0 = state.size() > 0 ? state[0].mutable_data_ptr<float>() : nullptr;
-  float* s1 = state.size() > 1 ? state[1].mutable_data_ptr<float>() : nullptr;
-  const int64_t state_width = state.size() > 0 && state[0].dim() == 1 ? 1 : dim;  // row-wise: 1
-
-  // Tasks: (owner, bucket of rows); rows of different tasks never meet.
   const int64_t buckets = std::max<int64_t>(1, 2 * at::get_num_threads() / n);
   int row_bits = 1;
   while ((int64_t{1} << row_bits) < rows_per_sc) ++row_bits;
+  at::parallel_for(0, n * buckets, 1, [&](int64_t first, int64_t last) {
+    std::vector<uint64_t> keys, scratch;
+    std::vector<float> acc(dim);
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t owner = task / buckets, bucket = task % buckets;
+      keys.clear();
+      for (int64_t s = 0; s < n; ++s) {
+        const auto [begin, end] = spans[s * n + owner];
+        for (int64_t e = begin; e < end; ++e) {
+          if (idp[e] % buckets == bucket) {
+            keys.push_back(static_cast<uint64_t>(idp[e]) << 32 | static_cast<uint64_t>(e));
+          }
+        }
+      }
+      sort_by_row(keys, scratch, row_bits);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (size_t i = 0; i < keys.size(); ++i) {
+        if (i + kPrefetchDistance < keys.size()) {
+          // Gradient rows and touched table rows are scattered: fetch ahead.
+          const uint64_t k = keys[i + kPrefetchDistance];
+          prefetch(go + grad_row(sp[k & 0xffffffffu]) * dim, dim * 4);
+          ahead(owner * rows_per_sc + static_cast<int64_t>(k >> 32));
+        }
+        const int64_t e = static_cast<int64_t>(keys[i] & 0xffffffffu);
+        const float* g = go + grad_row(sp[e]) * dim;
+        const float gain = gp[e];
+        for (int64_t d = 0; d < dim; ++d) acc[d] += gain * g[d];
+        const int64_t row = static_cast<int64_t>(keys[i] >> 32);
+        if (i + 1 == keys.size() || static_cast<int64_t>(keys[i + 1] >> 32) != row) {
+          on_row(owner * rows_per_sc + row, acc.data());
+          std::fill(acc.begin(), acc.end(), 0.0f);
+        }
+      }
+    }
+  });
+}
+
+struct StatePointers {
+  float* s0;
+  float* s1;
+  int64_t s0_width;  // 1 for a row-wise statistic, else dim
+  StatePointers(at::TensorList state, int64_t dim)
+      : s0(state.size() > 0 ? state[0].mutable_data_ptr<float>() : nullptr),
+        s1(state.size() > 1 ? state[1].mutable_data_ptr<float>() : nullptr),
+        s0_width(state.size() > 0 && state[0].dim() == 1 ? 1 : dim) {}
+  float* first(int64_t r) const { return s0 ? s0 + r * s0_width : nullptr; }
+  float* second(int64_t r, int64_t dim) const { return s1 ? s1 + r * dim : nullptr; }
+};
+
+// step: int64 [1], the stack's update count, incremented here (Adam's bias
+// correction). hyper: float64 [6] on the host (see Hyper), so the learning
+// rate can change between steps without a new graph.
+void backward_update(const at::Tensor& weight, at::TensorList state, const at::Tensor& step,
+                     const at::Tensor& grad_output, const at::Tensor& row_pointers,
+                     const at::Tensor& embedding_ids, const at::Tensor& sample_ids,
+                     const at::Tensor& gains, int64_t batch_size, int64_t optimizer,
+                     const at::Tensor& hyper) {
+  TORCH_CHECK(weight.is_contiguous() && weight.dim() == 2, "backward_update: weight must be a contiguous 2-D table");
+  const Hyper h = read_hyper(hyper, step);
+  const int64_t dim = weight.size(1);
+  const int64_t rows_per_sc = weight.size(0) / row_pointers.size(0);
+  const StatePointers st(state, dim);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "sparsecore_update", [&] {
     scalar_t* table = weight.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, n * buckets, 1, [&](int64_t first, int64_t last) {
-      std::vector<uint64_t> keys, scratch;
-      std::vector<float> acc(dim);
-      for (int64_t task = first; task < last; ++task) {
-        const int64_t owner = task / buckets, bucket = task % buckets;
-        keys.clear();
-        for (int64_t s = 0; s < n; ++s) {
-          const auto [begin, end] = spans[s * n + owner];
-          for (int64_t e = begin; e < end; ++e) {
-            if (idp[e] % buckets == bucket) {
-              keys.push_back(static_cast<uint64_t>(idp[e]) << 32 | static_cast<uint64_t>(e));
-            }
-          }
-        }
-        sort_by_row(keys, scratch, row_bits);
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (size_t i = 0; i < keys.size(); ++i) {
-          if (i + kPrefetchDistance < keys.size()) {
-            // Gradient rows and touched table rows are scattered: fetch ahead.
-            const uint64_t ahead = keys[i + kPrefetchDistance];
-            const int64_t r = owner * rows_per_sc + static_cast<int64_t>(ahead >> 32);
-            prefetch(go + grad_row(sp[ahead & 0xffffffffu]) * dim, dim * 4);
-            prefetch(table + r * dim, dim * static_cast<int64_t>(sizeof(scalar_t)));
-            if (s0) prefetch(s0 + r * state_width, state_width * 4);
-            if (s1) prefetch(s1 + r * dim, dim * 4);
-          }
-          const int64_t e = static_cast<int64_t>(keys[i] & 0xffffffffu);
-          const float* g = go + grad_row(sp[e]) * dim;
-          const float gain = gp[e];
-          for (int64_t d = 0; d < dim; ++d) acc[d] += gain * g[d];
-          const int64_t row = static_cast<int64_t>(keys[i] >> 32);
-          if (i + 1 == keys.size() || static_cast<int64_t>(keys[i + 1] >> 32) != row) {
-            const int64_t r = owner * rows_per_sc + row;
-            step_row(table + r * dim, acc.data(), dim, optimizer, h, s0 ? s0 + r * state_width : nullptr,
-                     s1 ? s1 + r * dim : nullptr);
-            std::fill(acc.begin(), acc.end(), 0.0f);
-          }
-        }
+    for_each_touched_row(
+        grad_output, row_pointers, embedding_ids, sample_ids, gains, batch_size, rows_per_sc,
+        [&](int64_t r, const float* g) {
+          step_row(table + r * dim, g, dim, optimizer, h, st.first(r), st.second(r, dim));
+        },
+        [&](int64_t r) {
+          prefetch(table + r * dim, dim * static_cast<int64_t>(sizeof(scalar_t)));
+          if (st.s0) prefetch(st.first(r), st.s0_width * 4);
+          if (st.s1) prefetch(st.second(r, dim), dim * 4);
+        });
+  });
+}
+
+// The backward's first half: (physical rows touched, their summed gradients),
+// for callers that combine gradients across devices before the update.
+std::tuple<at::Tensor, at::Tensor> row_gradients(const at::Tensor& grad_output, const at::Tensor& row_pointers,
+                                                 const at::Tensor& embedding_ids, const at::Tensor& sample_ids,
+                                                 const at::Tensor& gains, int64_t batch_size, int64_t rows_per_sc) {
+  const int64_t dim = grad_output.size(1);
+  // Per worker thread, concatenated after: rows of different tasks are distinct.
+  std::vector<std::vector<int64_t>> rows(at::get_num_threads());
+  std::vector<std::vector<float>> grads(at::get_num_threads());
+  for_each_touched_row(
+      grad_output, row_pointers, embedding_ids, sample_ids, gains, batch_size, rows_per_sc,
+      [&](int64_t r, const float* g) {
+        const int t = at::get_thread_num();
+        rows[t].push_back(r);
+        grads[t].insert(grads[t].end(), g, g + dim);
+      },
+      [](int64_t) {});
+  int64_t total = 0;
+  for (const auto& part : rows) total += static_cast<int64_t>(part.size());
+  auto out_rows = at::empty({total}, grad_output.options().dtype(at::kLong));
+  auto out_grads = at::empty({total, dim}, grad_output.options().dtype(at::kFloat));
+  int64_t* orp = out_rows.mutable_data_ptr<int64_t>();
+  float* ogp = out_grads.mutable_data_ptr<float>();
+  for (size_t t = 0; t < rows.size(); ++t) {
+    orp = std::copy(rows[t].begin(), rows[t].end(), orp);
+    ogp = std::copy(grads[t].begin(), grads[t].end(), ogp);
+  }
+  return {out_rows, out_grads};
+}
+
+// The second half: the optimizer on the given (distinct) physical rows.
+// row_mean_sq (float [rows], optional): row-wise Adagrad's statistic of whole
+// rows, for tables split by columns.
+void apply_rows(const at::Tensor& weight, at::TensorList state, const at::Tensor& step, const at::Tensor& rows,
+                const at::Tensor& grads, int64_t optimizer, const at::Tensor& hyper,
+                const std::optional<at::Tensor>& row_mean_sq) {
+  TORCH_CHECK(weight.is_contiguous() && weight.dim() == 2, "apply_rows: weight must be a contiguous 2-D table");
+  TORCH_CHECK(rows.dim() == 1 && grads.dim() == 2 && grads.size(0) == rows.size(0) && grads.size(1) == weight.size(1),
+              "apply_rows: rows [U] and grads [U, dim] must match the table's dim ", weight.size(1));
+  const Hyper h = read_hyper(hyper, step);
+  const int64_t dim = weight.size(1);
+  const auto r = rows.contiguous().to(at::kLong);
+  const auto g = grads.contiguous().to(at::kFloat);
+  const at::Tensor msq = row_mean_sq.has_value() ? row_mean_sq->contiguous().to(at::kFloat) : at::Tensor();
+  const int64_t* rp = r.const_data_ptr<int64_t>();
+  const float* gp = g.const_data_ptr<float>();
+  const float* mp = msq.defined() ? msq.const_data_ptr<float>() : nullptr;
+  const StatePointers st(state, dim);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "sparsecore_apply_rows", [&] {
+    scalar_t* table = weight.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, r.numel(), 256, [&](int64_t first, int64_t last) {
+      for (int64_t i = first; i < last; ++i) {
+        const int64_t row = rp[i];
+        step_row(table + row * dim, gp + i * dim, dim, optimizer, h, st.first(row), st.second(row, dim),
+                 mp ? mp + i : nullptr);
       }
     });
   });
@@ -202,6 +295,14 @@ TORCH_LIBRARY_FRAGMENT(sparsecore, m) {
         "Tensor hyper) -> ()");
   m.impl("backward_update", c10::DispatchKey::CPU, TORCH_FN(backward_update));
   m.impl("backward_update", c10::DispatchKey::PrivateUse1, TORCH_FN(backward_update));
+  m.def("row_gradients(Tensor grad_output, Tensor row_pointers, Tensor embedding_ids, Tensor sample_ids, "
+        "Tensor gains, int batch_size, int rows_per_sparsecore) -> (Tensor, Tensor)");
+  m.impl("row_gradients", c10::DispatchKey::CPU, TORCH_FN(row_gradients));
+  m.impl("row_gradients", c10::DispatchKey::PrivateUse1, TORCH_FN(row_gradients));
+  m.def("apply_rows(Tensor(a!) weight, Tensor(b!)[] state, Tensor(c!) step, Tensor rows, Tensor grads, "
+        "int optimizer, Tensor hyper, Tensor? row_mean_sq) -> ()");
+  m.impl("apply_rows", c10::DispatchKey::CPU, TORCH_FN(apply_rows));
+  m.impl("apply_rows", c10::DispatchKey::PrivateUse1, TORCH_FN(apply_rows));
 }
 
 } // namespace sparsecore

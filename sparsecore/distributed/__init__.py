@@ -1,8 +1,8 @@
 """Sharding SparseCore embedding collections over a process group (``tpu_dist``).
 
 ``shard(module, plan)`` splits a module's tables over the ranks as a
-``ShardingPlan`` says (table-wise, row-wise, column-wise, table-row-wise);
-``default_plan`` makes one without a planner.
+``ShardingPlan`` says (table-wise, row-wise, column-wise, table-row-wise,
+data-parallel); ``default_plan`` makes one without a planner.
 """
 
 from sparsecore.distributed.plan import (

@@ -51,9 +51,10 @@ class InputDist:
         self.layout, self.rank, self.group = layout, rank, group
         self.world = layout.world_size
         self.routes = layout.routes()
+        self.replicated = {f for c in layout.replicated for f in c.feature_names}  # not routed: local only
         self.combiners = {f: c.combiner_name for c in layout.configs for f in c.feature_names}
         self.row_sharded = {f for c in layout.configs for f in c.feature_names
-                            if any(s.rows is not None for s in layout.shards[c.name])}
+                            if any(s.rows is not None for s in layout.shards.get(c.name, ()))}
         self.local_features = layout.local_features(rank)
         # Weights travel when the batch has them or a row-sharded bag needs its gains.
         self.gains_needed = any(self.combiners[f] != "sum" for f in self.row_sharded)
@@ -65,13 +66,16 @@ class InputDist:
 
     def _route(self, kjt: KeyedJaggedTensor) -> list[dict[str, tuple]]:
         keys = kjt.keys()
-        unknown = sorted(set(keys) - set(self.routes))
-        missing = sorted(set(self.routes) - set(keys))
+        known = set(self.routes) | self.replicated
+        unknown = sorted(set(keys) - known)
+        missing = sorted(known - set(keys))
         if unknown or missing:
             raise InputError(f"the batch's features do not match the tables: unknown {unknown}, missing {missing}")
         weighted = kjt.weights_or_none() is not None or self.gains_needed
         per_rank: list[dict[str, tuple]] = [{} for _ in range(self.world)]
         for feature, jagged in kjt.to_dict().items():
+            if feature in self.replicated:
+                continue
             values, lengths = jagged.values().cpu().long(), jagged.lengths().cpu().long()
             weights = jagged.weights_or_none()
             weights = None if weights is None else weights.cpu().float()

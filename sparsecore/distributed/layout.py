@@ -67,7 +67,7 @@ class Shard:
     """Shard number within the table, e.g. ``1``."""
     rank: int
     local_table: str
-    """The table's name in the rank's engine (``"<table>"``, or ``"<table>.col<i>"`` column-wise)."""
+    """The table's name in the rank's engine (``"<table>"``, or ``"<table>@col<i>"`` column-wise)."""
     local_features: tuple[str, ...]
     """Per feature of the table, its name in the rank's engine."""
     column_offset: int
@@ -91,7 +91,10 @@ class Shard:
         if self.rows is not None:
             changes["pooling"] = PoolingType.SUM
         config = dataclasses.replace(self.source.config, **changes)
-        return dataclasses.replace(self.source, config=config,
+        # A column shard gets a stack of its own: its backward may combine row statistics
+        # with the table's other column shards (sparsecore.distributed.row_exchange).
+        stack = self.local_table if self.width != self.source.embedding_dim else self.source.stack_table_name
+        return dataclasses.replace(self.source, config=config, stack_table_name=stack,
                                    combiner=None if self.rows is not None else self.source.combiner)
 
 
@@ -110,16 +113,15 @@ class ShardLayout:
 
     def __init__(self, configs: Sequence[SparseCoreEmbeddingConfig], plan: ShardingPlan):
         plan.validate(configs)
-        kinds = {plan.tables[c.name].sharding_type for c in configs}
-        if DATA_PARALLEL in kinds:
-            raise NotImplementedError("data_parallel tables are not supported by sparsecore.distributed yet; "
-                                      "shard them table_wise or row_wise")
         self.configs = list(configs)
         self.world_size = plan.world_size
-        self.shards: dict[str, list[Shard]] = {c.name: self._shards_of(c, plan) for c in configs}
+        self.replicated = [c for c in configs if plan.tables[c.name].sharding_type == DATA_PARALLEL]
+        """data_parallel tables: a whole replica on every rank, fed the rank's own samples."""
+        self.shards: dict[str, list[Shard]] = {c.name: self._shards_of(c, plan) for c in configs
+                                               if c not in self.replicated}
         # Each rank's engine: its column/table shards first, then row shards, in table order.
         self.local: list[list[Shard]] = [[] for _ in range(plan.world_size)]
-        for shard in (s for c in configs for s in self.shards[c.name]):
+        for shard in (s for shards in self.shards.values() for s in shards):
             self.local[shard.rank].append(shard)
         for rank in range(plan.world_size):
             self.local[rank].sort(key=lambda s: s.rows is not None)
@@ -133,8 +135,8 @@ class ShardLayout:
         if kind == COLUMN_WISE:
             shards, offset = [], 0
             for i, (rank, width) in enumerate(zip(ranks, sharding.column_widths)):
-                shards.append(Shard(table=config.name, index=i, rank=rank, local_table=f"{config.name}.col{i}",
-                                    local_features=tuple(f"{f}.col{i}" for f in config.feature_names),
+                shards.append(Shard(table=config.name, index=i, rank=rank, local_table=f"{config.name}@col{i}",
+                                    local_features=tuple(f"{f}@col{i}" for f in config.feature_names),
                                     column_offset=offset, width=width, rows=None,
                                     num_rows=config.num_embeddings, source=source))
                 offset += width
@@ -160,6 +162,8 @@ class ShardLayout:
         """Per module feature: every (rank, local feature) its ids go to."""
         out: dict[str, list[Route]] = {}
         for c in self.configs:
+            if c in self.replicated:
+                continue
             for j, feature in enumerate(c.feature_names):
                 out[feature] = [Route(s.rank, s.local_features[j], s.rows, s.index) for s in self.shards[c.name]]
         return out
@@ -170,18 +174,27 @@ class ShardLayout:
         return sum(s.width * len(s.local_features) for s in self.local[rank])
 
     def output_gathers(self) -> list[torch.Tensor]:
-        """Column indexes into the ranks' received blocks, side by side (rank order) plus one
-        zero column at the end: the module's output is the sum of these gathers. A column of
-        a table-wise or column-wise table has one source, a row-sharded one a source per shard."""
+        """Column indexes into the ranks' received blocks side by side (rank order), then the
+        replicated tables' own block, then one zero column: the module's output is the sum of
+        these gathers. A column of a table-wise, column-wise or replicated table has one
+        source, a row-sharded one a source per shard."""
         start, column = {}, 0
         for rank in range(self.world_size):
             for s in self.local[rank]:
                 for f in s.local_features:
                     start[(rank, f)] = column
                     column += s.width
+        replica_start = {}
+        for c in self.replicated:
+            for f in c.feature_names:
+                replica_start[f] = column
+                column += c.embedding_dim
         zero = column
         sources: list[list[int]] = []
         for c in self.configs:
+            if c in self.replicated:
+                sources += [[replica_start[f] + col] for f in c.feature_names for col in range(c.embedding_dim)]
+                continue
             shards = self.shards[c.name]
             for j in range(len(c.feature_names)):
                 for col in range(c.embedding_dim):

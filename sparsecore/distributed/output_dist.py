@@ -52,7 +52,9 @@ class OutputDist:
         self.gathers, self.widths, self.group = gathers, widths, group
         self._anchor: dict[torch.device, torch.Tensor] = {}
 
-    def __call__(self, pooled: torch.Tensor, batch_sizes: list[int], rank: int) -> torch.Tensor:
+    def __call__(self, pooled: torch.Tensor, batch_sizes: list[int], rank: int,
+                 replicated: torch.Tensor | None = None) -> torch.Tensor:
+        """``replicated``: the rank's own (local batch, width) rows of its replicated tables."""
         device = pooled.device
         args = (batch_sizes, batch_sizes[rank], self.widths, self.group)
         if torch.is_grad_enabled():
@@ -63,7 +65,8 @@ class OutputDist:
             blocks = _RowBlocksAllToAll.apply(pooled, self._anchor[device], *args)
         else:
             blocks = _RowBlocksAllToAll.forward(_NoCtx(), pooled, None, *args)
-        padded = torch.cat([blocks, blocks.new_zeros(blocks.shape[0], 1)], dim=1)
+        parts = [blocks] + ([replicated] if replicated is not None else [])
+        padded = torch.cat([*parts, blocks.new_zeros(blocks.shape[0], 1)], dim=1)
         out = padded.index_select(1, self.gathers[0].to(device))
         for index in self.gathers[1:]:
             out = out + padded.index_select(1, index.to(device))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from sparsecore.distributed.input_dist import InputDist
 from sparsecore.distributed.layout import ShardLayout
 from sparsecore.distributed.output_dist import OutputDist
+from sparsecore.distributed.row_exchange import merge_across_ranks, whole_row_statistic
 from sparsecore.distributed.plan import COLUMN_WISE, ShardingPlan, default_plan
 from sparsecore.modules import SparseCoreEmbeddingBagCollection
 from sparsecore.optim import RowWiseAdagrad
@@ -53,30 +55,53 @@ class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
         self._configs = list(module._configs)
         self.plan = plan
         self._layout = ShardLayout(self._configs, plan)
-        if isinstance(module._optimizer, RowWiseAdagrad):
-            split = [c.name for c in self._configs if plan.tables[c.name].sharding_type == COLUMN_WISE]
-            if split:
-                # Its per-row statistic spans the whole row: each column shard alone would see part of it.
-                raise NotImplementedError(f"row-wise Adagrad on column_wise tables {split} is not supported yet; "
-                                          f"shard them table_wise or row_wise, or use Adagrad")
         local = self._layout.local[self._rank]
         device = module._device if module._device.type != "meta" else torch.device("tpu")
-        self.engine = None
-        if local:
-            self.engine = SparseCoreEmbeddingBagCollection(
-                [s.local_config() for s in local], module._optimizer, device,
-                num_sparsecores=plan.sparsecores_per_chip, allow_id_dropping=module._allow_id_dropping)
-            if module._device.type != "meta":
-                self._copy_weights(module)
         self._device = device
+
+        def engine(configs):
+            return SparseCoreEmbeddingBagCollection(configs, module._optimizer, device,
+                                                    num_sparsecores=plan.sparsecores_per_chip,
+                                                    allow_id_dropping=module._allow_id_dropping)
+
+        self.engine = engine([s.local_config() for s in local]) if local else None
+        # data_parallel tables: a replica here, trained on every rank's row gradients.
+        self.replicas = engine(self._layout.replicated) if self._layout.replicated else None
+        if module._device.type != "meta":
+            self._copy_weights(module)
+        if self.replicas is not None:
+            for stack in self.replicas.stacks:
+                self.replicas.set_row_exchange(stack.name, functools.partial(merge_across_ranks, group=process_group))
+        if isinstance(module._optimizer, RowWiseAdagrad):
+            self._share_row_statistics()
         self._input_dist = InputDist(self._layout, self._rank, process_group)
         self._output_dist = OutputDist(self._layout.output_gathers(),
                                        [self._layout.local_width(r) for r in range(world)], process_group)
         self._keys = [f for c in self._configs for f in c.feature_names]
         self._dims = [c.embedding_dim for c in self._configs for _ in c.feature_names]
 
+    def _share_row_statistics(self) -> None:
+        """Row-wise Adagrad on column-wise tables: the shards of a table sum their rows'
+        squared gradients before stepping (row_exchange.whole_row_statistic)."""
+        for c in self._configs:
+            if self.plan.tables[c.name].sharding_type != COLUMN_WISE:
+                continue
+            shards = self._layout.shards[c.name]
+            ranks = [s.rank for s in shards]
+            if len(set(ranks)) != len(ranks):
+                raise NotImplementedError(f"table {c.name!r}: row-wise Adagrad with two column shards on one rank "
+                                          f"({ranks}) is not supported; give each column shard its own rank")
+            group = dist.new_group(sorted(ranks))  # every rank creates every group, in the same order
+            for s in shards:
+                if s.rank == self._rank:
+                    stack = self.engine._stack_of(s.local_table).name
+                    self.engine.set_row_exchange(
+                        stack, functools.partial(whole_row_statistic, group=group, dim=c.embedding_dim))
+
     @torch.no_grad()
     def _copy_weights(self, module: SparseCoreEmbeddingBagCollection) -> None:
+        for c in self._layout.replicated:
+            self.replicas.set_table_weight(c.name, module.table_weight(c.name))
         for s in self._layout.local[self._rank]:
             full = module.table_weight(s.table)
             ids = s.global_ids()
@@ -99,7 +124,12 @@ class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
             pooled = self.engine(local_batch).values()
         else:
             pooled = torch.zeros(local_batch.stride(), 0, device=self._device)
-        values = self._output_dist(pooled, batch_sizes, self._rank)
+        replicated = None
+        if self.replicas is not None:
+            jagged = features.to_dict()
+            own = {f: jagged[f] for c in self._layout.replicated for f in c.feature_names}
+            replicated = self.replicas(KeyedJaggedTensor.from_jt_dict(own)).values()
+        values = self._output_dist(pooled, batch_sizes, self._rank, replicated)
         return KeyedTensor(keys=self._keys, length_per_key=self._dims, values=values)
 
     def forward_async(self, features: KeyedJaggedTensor) -> concurrent.futures.Future:
@@ -112,6 +142,10 @@ class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
     def local_shards(self) -> list[LocalShard]:
         """This rank's pieces of every table (for checkpoints and checks)."""
         out = []
+        for c in self._layout.replicated:
+            state = self.replicas.table_optimizer_state(c.name)
+            out.append(LocalShard(table=c.name, rows=torch.arange(c.num_embeddings), columns=(0, c.embedding_dim),
+                                  weight=self.replicas.table_weight(c.name), state=state))
         for s in self._layout.local[self._rank]:
             ids = s.global_ids()
             valid = ids < s.source.num_embeddings

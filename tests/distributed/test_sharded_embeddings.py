@@ -117,6 +117,9 @@ def plan_for(kind: str, world: int) -> ShardingPlan:
                      "tiny": ("table_row_wise", hosts[0]), "wide": ("row_wise", every)}
         return ShardingPlan(world_size=world, hosts=hosts, tables={
             name: TableSharding(sharding_type=s[0], ranks=s[1]) for name, s in shardings.items()})
+    elif kind == "data_parallel":
+        shardings = {"big": ("data_parallel", every), "shared": ("row_wise", every),
+                     "tiny": ("data_parallel", every), "wide": ("table_wise", (last,))}
     else:  # the default plan
         return sparsecore.distributed.default_plan(tables(), world)
     return ShardingPlan(world_size=world, tables={
@@ -127,8 +130,10 @@ def plan_for(kind: str, world: int) -> ShardingPlan:
 OPTIMIZERS = {
     "table_wise": optim.RowWiseAdagrad(lr=0.1),
     "row_wise": optim.Adam(lr=0.05),
-    "column_wise": optim.Adagrad(lr=0.1),
+    "column_wise": optim.RowWiseAdagrad(lr=0.1),  # its row statistic spans the column shards
+    "column_wise_adagrad": optim.Adagrad(lr=0.1),
     "table_row_wise": optim.RowWiseAdagrad(lr=0.1),
+    "data_parallel": optim.Adam(lr=0.05),
     "default": optim.SGD(lr=0.1),
 }
 
@@ -137,7 +142,7 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("kind", list(OPTIMIZERS))
 def test_sharded_training_equals_unsharded(kind, world):
     optimizer = OPTIMIZERS[kind]
-    plan = plan_for(kind, world)
+    plan = plan_for(kind.removesuffix("_adagrad"), world)
     plan.validate(tables())
     results = assert_all_ok(run_ranks(train_sharded, world, plan.to_json(), optimizer))
     expected_outputs, ref = reference(world, optimizer)
@@ -156,7 +161,8 @@ def test_sharded_training_equals_unsharded(kind, world):
                 assert_close(state[name], want, msg=lambda m: f"{table} {name}: {m}")
             covered[table][rows, columns] += 1
     for table, count in covered.items():
-        assert bool((count == 1).all()), f"{table}: every element held by exactly one shard"
+        copies = world if plan.tables[table].sharding_type == "data_parallel" else 1
+        assert bool((count == copies).all()), f"{table}: every element held by exactly {copies} shard(s)"
 
 
 BIG_ROWS, BIG_DIM = 200_000, 32
@@ -193,9 +199,9 @@ def test_a_meta_module_materializes_only_the_local_shards(kind):
         assert result["peak"] < 2.5 * BIG_BYTES, result
 
 
-def column_wise_rowwise_adagrad(rank: int, world: int) -> str:
+def column_shards_sharing_a_rank(rank: int, world: int) -> str:
     plan = ShardingPlan(world_size=world, tables={
-        t.name: TableSharding(sharding_type="column_wise", ranks=(0, 1), column_widths=(t.embedding_dim // 2,) * 2)
+        t.name: TableSharding(sharding_type="column_wise", ranks=(0, 0), column_widths=(t.embedding_dim // 2,) * 2)
         for t in tables()})
     try:
         shard(make_module(optim.RowWiseAdagrad(lr=0.1), "tpu"), plan)
@@ -204,9 +210,9 @@ def column_wise_rowwise_adagrad(rank: int, world: int) -> str:
     return "sharded"
 
 
-def test_column_wise_row_wise_adagrad_is_refused_clearly():
-    for message in assert_all_ok(run_ranks(column_wise_rowwise_adagrad, 2)):
-        assert "row-wise Adagrad on column_wise tables" in message, message
+def test_row_wise_adagrad_on_column_shards_sharing_a_rank_is_refused_clearly():
+    for message in assert_all_ok(run_ranks(column_shards_sharing_a_rank, 2)):
+        assert "row-wise Adagrad with two column shards on one rank" in message, message
 
 
 def a_rank_dies_mid_training(rank: int, world: int) -> str:

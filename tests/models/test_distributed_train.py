@@ -29,6 +29,8 @@ def plan(kind: str) -> ShardingPlan:
             return TableSharding(sharding_type="column_wise", ranks=(0, 1), column_widths=(8, 8))
         if kind == "table_row_wise":
             return TableSharding(sharding_type="table_row_wise", ranks=(i % 2,))
+        if kind == "data_parallel":  # half the tables replicated, half row-wise
+            return TableSharding(sharding_type="data_parallel" if i % 2 else "row_wise", ranks=(0, 1))
         return TableSharding(sharding_type="row_wise", ranks=(0, 1))
 
     hosts = ((0,), (1,)) if kind == "table_row_wise" else None
@@ -46,28 +48,19 @@ def run(args: list[str], metrics: Path, ranks: int) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def single_process(tmp_path_factory) -> dict[str, list[dict]]:
-    cache: dict[str, list[dict]] = {}
-
-    def get(optimizer: str) -> list[dict]:
-        if optimizer not in cache:
-            path = tmp_path_factory.mktemp("single") / "metrics.jsonl"
-            cache[optimizer] = run(["--embedding-optimizer", optimizer], path, 1)
-        return cache[optimizer]
-
-    return get
+def single_process(tmp_path_factory) -> list[dict]:
+    return run([], tmp_path_factory.mktemp("single") / "metrics.jsonl", 1)
 
 
-@pytest.mark.parametrize("kind", ["default", "table_wise", "row_wise", "column_wise", "table_row_wise"])
+@pytest.mark.parametrize("kind", ["default", "table_wise", "row_wise", "column_wise", "table_row_wise",
+                                  "data_parallel"])
 def test_two_ranks_train_as_one_process(kind, tmp_path, single_process):
-    # Row-wise Adagrad's row statistic is not split over column shards yet: Adagrad there.
-    optimizer = "adagrad" if kind == "column_wise" else "rowwise_adagrad"
-    args = ["--embedding-optimizer", optimizer]
+    args = []
     if kind != "default":
         plan(kind).save(tmp_path / "plan.json")
         args += ["--plan", str(tmp_path / "plan.json")]
     sharded = run(args, tmp_path / "metrics.jsonl", 2)
-    expected = single_process(optimizer)
+    expected = single_process
     assert [m["step"] for m in sharded] == [m["step"] for m in expected] == [2, 4]
     for got, want in zip(sharded, expected):
         for key in ("train_loss", "val_auc", "val_log_loss"):

@@ -96,8 +96,8 @@ def test_layout_routes_and_assembles_columns():
     p = plan(a=dict(sharding_type="column_wise", ranks=(1, 0), column_widths=(3, 5)),
              b=dict(sharding_type="row_wise", ranks=(0, 1)))
     layout = ShardLayout([as_sparsecore_config(c) for c in configs()], p)
-    assert layout.local_features(0) == ["fa.col1", "fb1", "fb2"]
-    assert layout.local_features(1) == ["fa.col0", "fb1", "fb2"]
+    assert layout.local_features(0) == ["fa@col1", "fb1", "fb2"]
+    assert layout.local_features(1) == ["fa@col0", "fb1", "fb2"]
     assert [layout.local_width(r) for r in (0, 1)] == [5 + 32, 3 + 32]
     first, second = layout.output_gathers()
     # fa: columns 0..2 from rank 1's slice (after rank 0's 37 columns), 3..7 from rank 0's.
