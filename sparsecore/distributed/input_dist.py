@@ -58,6 +58,8 @@ class InputDist:
         self.local_features = layout.local_features(rank)
         # Weights travel when the batch has them or a row-sharded bag needs its gains.
         self.gains_needed = any(self.combiners[f] != "sum" for f in self.row_sharded)
+        self.bytes_sent = 0
+        """Bytes this rank sent to other ranks in all calls (counts, lengths, ids, weights)."""
 
     def __call__(self, kjt: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, list[int]]:
         """The global batch of this rank's shards, and every rank's batch size (rank order)."""
@@ -98,6 +100,9 @@ class InputDist:
             if weighted:
                 weight_sends.append(torch.cat([p[2] for p in parts]) if parts else torch.zeros(0))
             counts.append([batch_size, sum(v.numel() for v in values)])
+        others = [r for r in range(self.world) if r != self.rank]
+        self.bytes_sent += sum(sends[r].numel() * 8 + 16 + (weight_sends[r].numel() * 4 if weighted else 0)
+                               for r in others)
         received = torch.empty(self.world, 2, dtype=torch.int64)
         dist.all_to_all_single(received, torch.tensor(counts, dtype=torch.int64), group=self.group)
         sizes = received.tolist()  # per source: (its batch size, ids it sends here)

@@ -19,10 +19,11 @@ class _RowBlocksAllToAll(torch.autograd.Function):
     ``recv_rows`` rows of its width ``recv_widths[r]``. Returns the received blocks side by side."""
 
     @staticmethod
-    def forward(ctx, x, anchor, send_rows, recv_rows, recv_widths, group):
-        ctx.shape, ctx.send_rows, ctx.recv_rows, ctx.recv_widths, ctx.group = (
-            x.shape, send_rows, recv_rows, recv_widths, group)
+    def forward(ctx, x, anchor, send_rows, recv_rows, recv_widths, group, counter):
+        ctx.shape, ctx.send_rows, ctx.recv_rows, ctx.recv_widths, ctx.group, ctx.counter = (
+            x.shape, send_rows, recv_rows, recv_widths, group, counter)
         width = x.shape[1]
+        counter.add([r * width * x.element_size() for r in send_rows])
         received = _exchange(x.contiguous().view(-1), [r * width for r in send_rows],
                              [recv_rows * w for w in recv_widths], group)
         blocks = [b.view(recv_rows, w) for b, w in zip(received.split([recv_rows * w for w in recv_widths]),
@@ -34,9 +35,20 @@ class _RowBlocksAllToAll(torch.autograd.Function):
         per_rank = grad.split(ctx.recv_widths, dim=1)
         flat = torch.cat([g.contiguous().view(-1) for g in per_rank])
         width = ctx.shape[1]
+        ctx.counter.add([ctx.recv_rows * w * flat.element_size() for w in ctx.recv_widths])
         back = _exchange(flat, [ctx.recv_rows * w for w in ctx.recv_widths], [r * width for r in ctx.send_rows],
                          ctx.group)
-        return back.view(ctx.shape), None, None, None, None, None
+        return back.view(ctx.shape), None, None, None, None, None, None
+
+
+class ByteCounter:
+    """Bytes a rank sent to the other ranks (its own block stays home)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.bytes_sent = rank, 0
+
+    def add(self, per_rank: list[int]) -> None:
+        self.bytes_sent += sum(b for r, b in enumerate(per_rank) if r != self.rank)
 
 
 def _exchange(flat: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
@@ -48,15 +60,17 @@ def _exchange(flat: torch.Tensor, send: list[int], recv: list[int], group) -> to
 class OutputDist:
     """Turns each rank's (global batch, local width) rows into this rank's (local batch, module width)."""
 
-    def __init__(self, gathers: list[torch.Tensor], widths: list[int], group: dist.ProcessGroup | None):
+    def __init__(self, gathers: list[torch.Tensor], widths: list[int], group: dist.ProcessGroup | None, rank: int):
         self.gathers, self.widths, self.group = gathers, widths, group
         self._anchor: dict[torch.device, torch.Tensor] = {}
+        self.sent = ByteCounter(rank)
+        """Bytes of pooled rows (forward) and their gradients (backward) sent to other ranks."""
 
     def __call__(self, pooled: torch.Tensor, batch_sizes: list[int], rank: int,
                  replicated: torch.Tensor | None = None) -> torch.Tensor:
         """``replicated``: the rank's own (local batch, width) rows of its replicated tables."""
         device = pooled.device
-        args = (batch_sizes, batch_sizes[rank], self.widths, self.group)
+        args = (batch_sizes, batch_sizes[rank], self.widths, self.group, self.sent)
         if torch.is_grad_enabled():
             # Makes the exchange part of every rank's graph even where the local rows need
             # no gradient (a rank without shards), so every rank joins its backward.

@@ -76,7 +76,7 @@ class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
             self._share_row_statistics()
         self._input_dist = InputDist(self._layout, self._rank, process_group)
         self._output_dist = OutputDist(self._layout.output_gathers(),
-                                       [self._layout.local_width(r) for r in range(world)], process_group)
+                                       [self._layout.local_width(r) for r in range(world)], process_group, self._rank)
         self._keys = [f for c in self._configs for f in c.feature_names]
         self._dims = [c.embedding_dim for c in self._configs for _ in c.feature_names]
 
@@ -131,6 +131,11 @@ class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
             replicated = self.replicas(KeyedJaggedTensor.from_jt_dict(own)).values()
         values = self._output_dist(pooled, batch_sizes, self._rank, replicated)
         return KeyedTensor(keys=self._keys, length_per_key=self._dims, values=values)
+
+    def bytes_sent(self) -> dict[str, int]:
+        """Bytes this rank has sent to other ranks so far: ids (input) and pooled rows with
+        their gradients (output); the replicas' row-gradient exchange is not counted."""
+        return {"input": self._input_dist.bytes_sent, "output": self._output_dist.sent.bytes_sent}
 
     def forward_async(self, features: KeyedJaggedTensor) -> concurrent.futures.Future:
         """forward, run at once: its collectives must keep the same order on every rank, so
