@@ -165,6 +165,13 @@ class SparseCoreCollection(nn.Module):
         return {name: t.index_select(0, logical_to_physical(stack, table, t.device)) for name, t in state.items()}
 
     @torch.no_grad()
+    def set_table_optimizer_state(self, table: str, name: str, value: torch.Tensor) -> None:
+        """Writes the table's rows (logical order) of the optimizer state tensor ``name``."""
+        stack = self._stack_of(table)
+        target = self._optimizer_state[stack.name][name]
+        target.index_copy_(0, logical_to_physical(stack, table, target.device), value.to(target))
+
+    @torch.no_grad()
     def set_table_weight(self, table: str, weight: torch.Tensor) -> None:
         stack = self._stack_of(table)
         target = self._weights[stack.name]

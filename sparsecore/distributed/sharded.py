@@ -53,6 +53,7 @@ class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
         if plan.world_size != world:
             raise ValueError(f"the plan is for {plan.world_size} ranks but the process group has {world}")
         self._configs = list(module._configs)
+        self._optimizer = module._optimizer
         self.plan = plan
         self._layout = ShardLayout(self._configs, plan)
         local = self._layout.local[self._rank]
@@ -158,6 +159,42 @@ class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
             out.append(LocalShard(table=s.table, rows=ids[valid], columns=(s.column_offset, s.width),
                                   weight=self.engine.table_weight(s.local_table)[valid.to(self._device)], state=state))
         return out
+
+    @property
+    def _optimizer_spec(self):
+        return self._optimizer
+
+    def step_count(self) -> torch.Tensor:
+        """The optimizer's step count (every engine of every rank steps once per backward)."""
+        engines = [e for e in (self.engine, self.replicas) if e is not None and e._steps]
+        return next(iter(engines[0]._steps.values())) if engines else torch.zeros(1, dtype=torch.int64)
+
+    def set_step_count(self, value: torch.Tensor) -> None:
+        for engine in (self.engine, self.replicas):
+            if engine is not None:
+                for step in engine._steps.values():
+                    step.copy_(value)
+
+    @torch.no_grad()
+    def set_local_shards_of(self, table: str, shards: list[LocalShard]) -> None:
+        """Writes back this rank's pieces of ``table`` (``local_shards()`` entries, same order)."""
+        if any(c.name == table for c in self._layout.replicated):
+            piece = shards[0]
+            self.replicas.set_table_weight(table, piece.weight)
+            for name, value in piece.state.items():
+                self.replicas.set_table_optimizer_state(table, name, value)
+            return
+        for s, piece in zip([s for s in self._layout.local[self._rank] if s.table == table], shards):
+            valid = s.global_ids() < s.source.num_embeddings
+
+            def full(rows: torch.Tensor) -> torch.Tensor:  # unused rows (past the table's end) stay zero
+                out = rows.new_zeros(s.num_rows, *rows.shape[1:])
+                out[valid.to(out.device)] = rows
+                return out
+
+            self.engine.set_table_weight(s.local_table, full(piece.weight))
+            for name, value in piece.state.items():
+                self.engine.set_table_optimizer_state(s.local_table, name, full(value))
 
 
 def shard(module: SparseCoreEmbeddingBagCollection, plan: ShardingPlan | None = None,
