@@ -77,6 +77,9 @@ class Shard:
     num_rows: int
     """Rows of the local table (at least 1: a shard that owns no id keeps one unused row)."""
     source: SparseCoreEmbeddingConfig
+    stack: str | None = None
+    """Column shards: the engine stack they share with the same slice of tables split the same
+    way, e.g. ``"cw_r0-1_w32-32_c0"`` (peers then hold equal stacks, row for row)."""
 
     def global_ids(self) -> torch.Tensor:
         """The table id of each local row (ids past the table's end mark unused rows)."""
@@ -91,9 +94,9 @@ class Shard:
         if self.rows is not None:
             changes["pooling"] = PoolingType.SUM
         config = dataclasses.replace(self.source.config, **changes)
-        # A column shard gets a stack of its own: its backward may combine row statistics
-        # with the table's other column shards (sparsecore.distributed.row_exchange).
-        stack = self.local_table if self.width != self.source.embedding_dim else self.source.stack_table_name
+        # Column shards stack only with the same slice of tables split the same way: their
+        # backward may combine row statistics with the peer stacks (sparsecore.distributed.row_exchange).
+        stack = self.stack if self.stack is not None else self.source.stack_table_name
         return dataclasses.replace(self.source, config=config, stack_table_name=stack,
                                    combiner=None if self.rows is not None else self.source.combiner)
 
@@ -134,11 +137,13 @@ class ShardLayout:
         source = dataclasses.replace(config, **compute) if compute else config
         if kind == COLUMN_WISE:
             shards, offset = [], 0
+            split = f"cw_r{'-'.join(map(str, ranks))}_w{'-'.join(map(str, sharding.column_widths))}"
             for i, (rank, width) in enumerate(zip(ranks, sharding.column_widths)):
                 shards.append(Shard(table=config.name, index=i, rank=rank, local_table=f"{config.name}@col{i}",
                                     local_features=tuple(f"{f}@col{i}" for f in config.feature_names),
                                     column_offset=offset, width=width, rows=None,
-                                    num_rows=config.num_embeddings, source=source))
+                                    num_rows=config.num_embeddings, source=source,
+                                    stack=f"{split}_c{i}_{str(config.dtype).removeprefix('torch.')}"))
                 offset += width
             return shards
         if kind in ROW_SHARDED:

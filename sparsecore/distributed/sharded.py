@@ -82,22 +82,24 @@ class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
         self._dims = [c.embedding_dim for c in self._configs for _ in c.feature_names]
 
     def _share_row_statistics(self) -> None:
-        """Row-wise Adagrad on column-wise tables: the shards of a table sum their rows'
-        squared gradients before stepping (row_exchange.whole_row_statistic)."""
+        """Row-wise Adagrad on column-wise tables: peer column shards (one stack per slice of
+        tables split alike) sum their rows' squared gradients before stepping
+        (row_exchange.whole_row_statistic): one all-reduce per stack and step."""
+        groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for c in self._configs:
             if self.plan.tables[c.name].sharding_type != COLUMN_WISE:
                 continue
             shards = self._layout.shards[c.name]
-            ranks = [s.rank for s in shards]
+            ranks = tuple(s.rank for s in shards)
             if len(set(ranks)) != len(ranks):
                 raise NotImplementedError(f"table {c.name!r}: row-wise Adagrad with two column shards on one rank "
-                                          f"({ranks}) is not supported; give each column shard its own rank")
-            group = dist.new_group(sorted(ranks))  # every rank creates every group, in the same order
+                                          f"({list(ranks)}) is not supported; give each column shard its own rank")
+            if ranks not in groups:  # every rank creates every group, in the same order
+                groups[ranks] = dist.new_group(sorted(ranks))
             for s in shards:
                 if s.rank == self._rank:
-                    stack = self.engine._stack_of(s.local_table).name
-                    self.engine.set_row_exchange(
-                        stack, functools.partial(whole_row_statistic, group=group, dim=c.embedding_dim))
+                    self.engine.set_row_exchange(s.stack, functools.partial(
+                        whole_row_statistic, group=groups[ranks], dim=c.embedding_dim))
 
     @torch.no_grad()
     def _copy_weights(self, module: SparseCoreEmbeddingBagCollection) -> None:
