@@ -41,6 +41,7 @@ bench: setup
 	$(PY) -m benchmarks.eager_overhead
 	$(PY) -m benchmarks.op_coverage
 	$(PY) -m benchmarks.collectives
+	$(PY) -m benchmarks.dlrm_distributed
 
 clean:
 	rm -rf build torch_tpu/_core.so sparsecore/_kernels.so $(VENV)/.installed
