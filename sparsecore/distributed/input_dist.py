@@ -63,6 +63,9 @@ class InputDist:
 
     def __call__(self, kjt: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, list[int]]:
         """The global batch of this rank's shards, and every rank's batch size (rank order)."""
+        if self.world == 1 and not self.row_sharded and self.local_features:
+            # One rank, whole bags: the batch is already the engine's, up to key names.
+            return self._rename(kjt), [kjt.stride()]
         per_rank = self._route(kjt)
         return self._exchange(per_rank, kjt.stride(), kjt.weights_or_none() is not None or self.gains_needed)
 
@@ -88,6 +91,11 @@ class InputDist:
             for route in self.routes[feature]:
                 per_rank[route.rank][route.local_feature] = _split_for(route, values, lengths, gains)
         return per_rank
+
+    def _rename(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        jagged = kjt.to_dict()
+        local = {route.local_feature: jagged[f] for f, routes in self.routes.items() for route in routes}
+        return KeyedJaggedTensor.from_jt_dict({f: local[f] for f in self.local_features})
 
     def _exchange(self, per_rank: list[dict[str, tuple]], batch_size: int,
                   weighted: bool) -> tuple[KeyedJaggedTensor, list[int]]:

@@ -71,7 +71,9 @@ class OutputDist:
         """``replicated``: the rank's own (local batch, width) rows of its replicated tables."""
         device = pooled.device
         args = (batch_sizes, batch_sizes[rank], self.widths, self.group, self.sent)
-        if torch.is_grad_enabled():
+        if len(batch_sizes) == 1:
+            blocks = pooled  # one rank: its rows are already home
+        elif torch.is_grad_enabled():
             # Makes the exchange part of every rank's graph even where the local rows need
             # no gradient (a rank without shards), so every rank joins its backward.
             if device not in self._anchor:

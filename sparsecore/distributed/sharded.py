@@ -24,8 +24,22 @@ from sparsecore.distributed.layout import ShardLayout
 from sparsecore.distributed.output_dist import OutputDist
 from sparsecore.distributed.row_exchange import merge_across_ranks, whole_row_statistic
 from sparsecore.distributed.plan import COLUMN_WISE, ShardingPlan, default_plan
+from sparsecore.executor import executor_for
 from sparsecore.modules import SparseCoreEmbeddingBagCollection
 from sparsecore.optim import RowWiseAdagrad
+
+
+class _PendingOutput:
+    """What forward_async returns: ``result()`` waits for the lookups and distributes the
+    rows (once; later calls return the same KeyedTensor)."""
+
+    def __init__(self, finish) -> None:
+        self._finish, self._value = finish, None
+
+    def result(self) -> KeyedTensor:
+        if self._value is None:
+            self._value = self._finish()
+        return self._value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +72,9 @@ class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
         self._layout = ShardLayout(self._configs, plan)
         local = self._layout.local[self._rank]
         device = module._device if module._device.type != "meta" else torch.device("tpu")
+        if device.type == "tpu" and device.index is None:
+            # Explicit: the lookups run on the executor's thread, whose current device is not ours.
+            device = torch.device("tpu", torch.tpu.current_device())
         self._device = device
 
         def engine(configs):
@@ -122,7 +139,10 @@ class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
         return self.engine.fused_optimizer if self.engine is not None else None
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        local_batch, batch_sizes = self._input_dist(features)
+        return self.forward_async(features).result()
+
+    def _lookups(self, features: KeyedJaggedTensor, local_batch: KeyedJaggedTensor) -> tuple:
+        """The local engines' rows: the shards' for the global batch, the replicas' for ours."""
         if self.engine is not None:
             pooled = self.engine(local_batch).values()
         else:
@@ -132,20 +152,31 @@ class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
             jagged = features.to_dict()
             own = {f: jagged[f] for c in self._layout.replicated for f in c.feature_names}
             replicated = self.replicas(KeyedJaggedTensor.from_jt_dict(own)).values()
-        values = self._output_dist(pooled, batch_sizes, self._rank, replicated)
-        return KeyedTensor(keys=self._keys, length_per_key=self._dims, values=values)
+        return pooled, replicated
 
     def bytes_sent(self) -> dict[str, int]:
         """Bytes this rank has sent to other ranks so far: ids (input) and pooled rows with
         their gradients (output); the replicas' row-gradient exchange is not counted."""
         return {"input": self._input_dist.bytes_sent, "output": self._output_dist.sent.bytes_sent}
 
-    def forward_async(self, features: KeyedJaggedTensor) -> concurrent.futures.Future:
-        """forward, run at once: its collectives must keep the same order on every rank, so
-        they stay on the calling thread (the engine's lookup inside still runs on the device)."""
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        done.set_result(self.forward(features))
-        return done
+    def forward_async(self, features: KeyedJaggedTensor) -> _PendingOutput:
+        """forward in three parts: the input distribution now, the local lookups on the
+        SparseCore executor (TensorCore work issued meanwhile overlaps them), and the output
+        distribution when ``result()`` is called. The collectives stay on the calling
+        thread, so every rank issues them in the same order."""
+        local_batch, batch_sizes = self._input_dist(features)
+        if self._device.type == "tpu":
+            lookups = executor_for(self._device).submit(self._lookups, features, local_batch)
+        else:
+            lookups = concurrent.futures.Future()
+            lookups.set_result(self._lookups(features, local_batch))
+
+        def finish() -> KeyedTensor:
+            pooled, replicated = lookups.result()
+            values = self._output_dist(pooled, batch_sizes, self._rank, replicated)
+            return KeyedTensor(keys=self._keys, length_per_key=self._dims, values=values)
+
+        return _PendingOutput(finish)
 
     def local_shards(self) -> list[LocalShard]:
         """This rank's pieces of every table (for checkpoints and checks)."""

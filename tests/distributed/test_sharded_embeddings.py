@@ -138,8 +138,10 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+CASES = [(kind, world) for kind in OPTIMIZERS for world in (2, 3)] + [("table_wise", 1), ("data_parallel", 1)]
+
+
+@pytest.mark.parametrize("kind, world", CASES)
 def test_sharded_training_equals_unsharded(kind, world):
     optimizer = OPTIMIZERS[kind]
     plan = plan_for(kind.removesuffix("_adagrad"), world)
