@@ -150,12 +150,12 @@ def _template(module, table: str, name: str) -> torch.Tensor:
     config = next(c for c in module._layout.configs if c.name == table)
     if name == "weight":
         return torch.empty(0, config.embedding_dim, dtype=config.dtype, device=module._device)
-    shape, _ = module._optimizer_spec.state(1, config.embedding_dim)[name]
+    shape, _ = module._optimizer.state(1, config.embedding_dim)[name]
     return torch.empty(0, *shape[1:], dtype=torch.float32, device=module._device)
 
 
 def _state_names(module) -> list[str]:
-    spec = module._optimizer_spec
+    spec = module._optimizer
     return ["weight"] + ([] if spec is None else list(spec.state(1, 1)))
 
 
@@ -175,7 +175,7 @@ def state_dict(module: ShardedSparseCoreEmbeddingBagCollection) -> dict[str, tor
             stride = (block.shape[1], 1) if block.dim() == 2 else (1,)
             out[_key(c.name, name)] = DTensor.from_local(block, mesh, [Shard(0)], run_check=False, shape=shape,
                                                          stride=stride)
-        if module._optimizer_spec is not None:
+        if module._optimizer is not None:
             out[_key(c.name, "step")] = module.step_count().clone()
     return out
 
@@ -190,7 +190,7 @@ def load_state_dict(module: ShardedSparseCoreEmbeddingBagCollection, state: dict
             blocks[name] = value.to_local() if isinstance(value, DTensor) else value
         _from_blocks(module, c.name, mine, blocks)
         module.set_local_shards_of(c.name, mine)
-        if module._optimizer_spec is not None:
+        if module._optimizer is not None:
             module.set_step_count(state[_key(c.name, "step")])
 
 

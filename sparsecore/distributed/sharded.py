@@ -22,8 +22,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from sparsecore.distributed.input_dist import InputDist
 from sparsecore.distributed.layout import ShardLayout
 from sparsecore.distributed.output_dist import OutputDist
-from sparsecore.distributed.row_exchange import merge_across_ranks, whole_row_statistic
 from sparsecore.distributed.plan import COLUMN_WISE, ShardingPlan, default_plan
+from sparsecore.distributed.row_exchange import merge_across_ranks, whole_row_statistic
 from sparsecore.executor import executor_for
 from sparsecore.modules import SparseCoreEmbeddingBagCollection
 from sparsecore.optim import RowWiseAdagrad
@@ -192,10 +192,6 @@ class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
             out.append(LocalShard(table=s.table, rows=ids[valid], columns=(s.column_offset, s.width),
                                   weight=self.engine.table_weight(s.local_table)[valid.to(self._device)], state=state))
         return out
-
-    @property
-    def _optimizer_spec(self):
-        return self._optimizer
 
     def step_count(self) -> torch.Tensor:
         """The optimizer's step count (every engine of every rank steps once per backward)."""
