@@ -12,7 +12,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import pickle
+import os
 import queue
+import shutil
+import tempfile
 import time
 import traceback
 import warnings
@@ -21,7 +24,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from torch_tpu.distributed.local_ranks import free_port, start_local_ranks
+from torch_tpu.distributed.local_ranks import start_local_ranks
 
 
 @dataclasses.dataclass
@@ -36,12 +39,12 @@ class RankResult:
         return self.error is None and self.exitcode == 0
 
 
-def _entry(rank: int, fn, world_size: int, port: int, group_timeout_s: float, results, args) -> None:
+def _entry(rank: int, fn, world_size: int, store: str, group_timeout_s: float, results, args) -> None:
     import torch
     import torch.distributed as dist
 
     try:
-        dist.init_process_group("tpu_dist", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group("tpu_dist", init_method=f"file://{store}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=group_timeout_s))
         with warnings.catch_warnings():  # exact fp32, as the rest of the suite (conftest)
             warnings.simplefilter("ignore")
@@ -59,7 +62,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
               group_timeout_s: float = 30.0, env: dict[str, str] | None = None) -> list[RankResult]:
     """Runs ``fn(rank, world_size, *args)`` on every rank; returns each rank's result in rank order."""
     results = mp.get_context("spawn").Queue()
-    procs = start_local_ranks(_entry, world_size, (fn, world_size, free_port(), group_timeout_s, results, args), env)
+    # A file store: no port to pick (and lose to another process) before rank 0 binds it.
+    store = os.path.join(tempfile.mkdtemp(prefix="tpu_dist_store_"), "store")
+    procs = start_local_ranks(_entry, world_size, (fn, world_size, store, group_timeout_s, results, args), env)
     deadline = time.monotonic() + timeout_s
     out = {rank: RankResult(rank) for rank in range(world_size)}
     reported = 0
@@ -84,6 +89,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
             if p.is_alive():
                 p.kill()
                 p.join()
+        shutil.rmtree(os.path.dirname(store), ignore_errors=True)
     for rank, p in enumerate(procs):
         out[rank].exitcode = p.exitcode
     return [out[r] for r in range(world_size)]
