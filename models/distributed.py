@@ -69,6 +69,23 @@ def data_parallel(model: torch.nn.Module) -> DistributedDataParallel:
     return ddp
 
 
+def fully_sharded(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2 (``fully_shard``) over the dense arch's parts, summing gradients as ``data_parallel``
+    does; the sharded tables stay out of it. Build the dense optimizer after this (the
+    parameters become DTensors)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = next(model.dense_arch.parameters()).device
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for name in ("dense_arch", "inter_arch", "over_arch"):
+        part = getattr(model, name)
+        if any(p.requires_grad for p in part.parameters()):
+            fully_shard(part, mesh=mesh)
+            part.set_gradient_divide_factor(1.0)  # a sum: the loss is already over the global batch
+    return model
+
+
 def global_sum(value: torch.Tensor) -> torch.Tensor:
     """The sum of a scalar over the ranks (itself on one process)."""
     if not dist.is_initialized():

@@ -98,6 +98,8 @@ class TrainConfig:
     progress: bool = True
     plan: str | None = None
     """Under torchrun: a sharding plan (JSON, sparsecore.distributed.ShardingPlan); default: the default plan."""
+    dense_parallel: str = "ddp"
+    """Under torchrun: ``ddp`` (replicated dense arch) or ``fsdp2`` (fully_shard over its parts)."""
 
     def __post_init__(self) -> None:
         if self.model not in ("dlrm", "dcn"):
@@ -112,12 +114,14 @@ class TrainConfig:
             raise ValueError(f"the over arch must end in one logit, got {self.over_arch}")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs a checkpoint_dir")
+        if self.dense_parallel not in ("ddp", "fsdp2"):
+            raise ValueError(f"dense_parallel {self.dense_parallel!r}: expected 'ddp' or 'fsdp2'")
 
     def comparable(self) -> dict[str, Any]:
         """What a checkpoint must agree on to be resumed (not run length or bookkeeping)."""
         fixed = dataclasses.asdict(self)
         for key in ("epochs", "steps", "eval_interval", "eval_batches", "num_workers", "checkpoint_dir",
-                    "checkpoint_interval", "resume", "metrics_file", "progress", "plan"):
+                    "checkpoint_interval", "resume", "metrics_file", "progress", "plan", "dense_parallel"):
             fixed.pop(key)
         return fixed
 
@@ -241,14 +245,18 @@ class Trainer:
         self.device = torch.device(cfg.device)
         self.data = build_data(cfg)
         self.model = build_model(cfg, self.data, self.device)
-        self.dense_opt = DENSE_OPTIMIZERS[cfg.dense_optimizer](dense_parameters(self.model), lr=cfg.dense_lr)
         preprocessor = None  # sharded: ids go to their shards first, each rank's engine preprocesses there
         if self.world_size > 1:
             ebc = self.model.sparse_arch.embedding_bag_collection
             distributed.shard_embeddings(self.model, distributed.load_plan(cfg.plan, ebc, self.world_size))
-            self.model = distributed.data_parallel(self.model)
+            if cfg.dense_parallel == "fsdp2":
+                self.model = distributed.fully_sharded(self.model)
+            else:
+                self.model = distributed.data_parallel(self.model)
         else:
             preprocessor = self.model.sparse_arch.embedding_bag_collection.preprocessor()
+        # After the wrapping: FSDP2's parameters are its sharded DTensors.
+        self.dense_opt = DENSE_OPTIMIZERS[cfg.dense_optimizer](dense_parameters(self._unwrapped), lr=cfg.dense_lr)
         self.ebc = self._unwrapped.sparse_arch.embedding_bag_collection
         workers = cfg.num_workers
         shards = dict(rank=self.rank, world_size=self.world_size, preprocessor=preprocessor, num_workers=workers)
@@ -433,6 +441,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--metrics-file", default=None)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--plan", default=None, help="under torchrun: a sharding plan JSON (default: the default plan)")
+    p.add_argument("--dense-parallel", choices=["ddp", "fsdp2"], default=defaults.dense_parallel,
+                   help="under torchrun: DDP or FSDP2 over the dense arch")
     a = p.parse_args(argv)
     dense_arch = a.dense_arch or (*defaults.dense_arch[:-1], a.embedding_dim)
     try:
@@ -445,7 +455,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
             eval_interval=a.eval_interval, eval_batches=a.eval_batches, seed=a.seed, device=a.device,
             precision=a.precision, num_workers=a.num_workers, checkpoint_dir=a.checkpoint_dir,
             checkpoint_interval=a.checkpoint_interval, resume=a.resume, metrics_file=a.metrics_file,
-            progress=not a.no_progress, plan=a.plan)
+            progress=not a.no_progress, plan=a.plan, dense_parallel=a.dense_parallel)
     except ValueError as error:
         p.error(str(error))
 

@@ -53,10 +53,10 @@ def single_process(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.parametrize("kind", ["default", "table_wise", "row_wise", "column_wise", "table_row_wise",
-                                  "data_parallel"])
+                                  "data_parallel", "fsdp2"])
 def test_two_ranks_train_as_one_process(kind, tmp_path, single_process):
-    args = []
-    if kind != "default":
+    args = ["--dense-parallel", "fsdp2"] if kind == "fsdp2" else []  # fsdp2: the default plan
+    if kind not in ("default", "fsdp2"):
         plan(kind).save(tmp_path / "plan.json")
         args += ["--plan", str(tmp_path / "plan.json")]
     sharded = run(args, tmp_path / "metrics.jsonl", 2)
