@@ -159,8 +159,12 @@ def _state_names(module) -> list[str]:
     return ["weight"] + ([] if spec is None else list(spec.state(1, 1)))
 
 
-def _mine(module, table: str) -> list[LocalShard]:
-    return [s for s in module.local_shards() if s.table == table]
+def _mine(module) -> dict[str, list[LocalShard]]:
+    """This rank's pieces per table (one copy of every local shard, not one per table)."""
+    out: dict[str, list[LocalShard]] = {c.name: [] for c in module._layout.configs}
+    for piece in module.local_shards():
+        out[piece.table].append(piece)
+    return out
 
 
 def state_dict(module: ShardedSparseCoreEmbeddingBagCollection) -> dict[str, torch.Tensor]:
@@ -168,8 +172,9 @@ def state_dict(module: ShardedSparseCoreEmbeddingBagCollection) -> dict[str, tor
     pass it to ``dcp.save``, or fill it with ``dcp.load`` and hand it to ``load_state_dict``."""
     mesh = DeviceMesh.from_group(module._group or dist.group.WORLD, module._device.type)
     out: dict[str, torch.Tensor] = {}
+    pieces = _mine(module)
     for c in module._layout.configs:
-        blocks = _to_blocks(module, c.name, _mine(module, c.name), _state_names(module))
+        blocks = _to_blocks(module, c.name, pieces[c.name], _state_names(module))
         for name, block in blocks.items():
             shape = (c.num_embeddings, *block.shape[1:])
             stride = (block.shape[1], 1) if block.dim() == 2 else (1,)
@@ -182,8 +187,9 @@ def state_dict(module: ShardedSparseCoreEmbeddingBagCollection) -> dict[str, tor
 
 def load_state_dict(module: ShardedSparseCoreEmbeddingBagCollection, state: dict[str, torch.Tensor]) -> None:
     """Takes the state ``dcp.load`` filled (from ``state_dict(module)``) into the module's shards."""
+    pieces = _mine(module)
     for c in module._layout.configs:
-        mine = _mine(module, c.name)
+        mine = pieces[c.name]
         blocks = {}
         for name in _state_names(module):
             value = state[_key(c.name, name)]
