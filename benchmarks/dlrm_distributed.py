@@ -72,6 +72,7 @@ import argparse
 import dataclasses
 import datetime
 import gc
+import itertools
 import json
 import logging
 import os
@@ -104,9 +105,11 @@ from benchmarks.dlrm import DENSE_ARCH, DIM, LR, OVER_ARCH, ROW_CAP, table_confi
 from data import schema
 from data.synthetic import SyntheticConfig, SyntheticCriteo
 from models.distributed import data_parallel, shard_embeddings
-from models.dlrm import DLRM
+from data.loader import Batch as LoaderBatch
+from models.dlrm import DLRM, DLRMTrain
 from models.train import dense_parameters
 from sparsecore.distributed import ShardingPlan, TableSharding
+from sparsecore.trace import StageTrace
 from torch_tpu.distributed.local_ranks import free_port, start_local_ranks
 
 OURS = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
@@ -114,6 +117,8 @@ TORCHREC = ("table_wise", "column_wise")  # TorchRec's CPU/gloo sharders have no
 TARGET = 1.5
 """Our best sharding / TorchRec DMP's best, at TARGET_WORLD processes."""
 TARGET_WORLD = 2
+PIPELINE_TARGET = 1.15
+"""sparsecore.TrainPipeline / the plain loop, same plan and world."""
 DATA_SEED = 1  # benchmarks.dlrm.batches' seed: the same synthetic batches
 
 Batch = tuple[torch.Tensor, Any, torch.Tensor]  # (dense, KJT, labels) of one rank's slice
@@ -131,6 +136,8 @@ class Settings:
     threads: int
     """Intra-op threads per rank; 0: cores // world size."""
     ours: tuple[str, ...]
+    pipelined: tuple[str, ...]
+    """Our sharding types also run under sparsecore.TrainPipeline."""
     torchrec: tuple[str, ...]
     group_timeout_s: float
     out_file: str
@@ -181,10 +188,12 @@ def our_plan(kind: str, tables: list[str], world: int) -> ShardingPlan:
 
 
 class OurSide:
-    """models.dlrm.DLRM on this rank's tpu: sharded embeddings, dense part under summing DDP."""
+    """models.dlrm.DLRM on this rank's tpu: sharded embeddings, dense part under summing DDP; trained
+    by the plain loop (forward, backward, step per batch) or by sparsecore.TrainPipeline."""
 
     def __init__(self, sizes: tuple[int, ...], global_batch: int, kind: str, device: torch.device,
-                 world: int, precision: str):
+                 world: int, precision: str, pipelined_over: list[Batch] | None = None,
+                 trace: StageTrace | None = None):
         self.device, self.global_batch, self.precision = device, global_batch, precision
         # The id limits only check: a shard may see every id of the global batch (one id per feature).
         limit = global_batch * schema.NUM_SPARSE
@@ -201,18 +210,24 @@ class OurSide:
         self.ebc = model.sparse_arch.embedding_bag_collection
         model = model.to(device)
         self.opt = torch.optim.Adagrad(dense_parameters(model), lr=LR)
-        self.model = data_parallel(model)
+        # The rank's sum over the global batch: with DDP summing, the global batch's mean loss.
+        self.model = DLRMTrain(data_parallel(model), loss_divisor=global_batch)
+        self.pipeline = None
+        if pipelined_over is not None:
+            self.pipeline = sparsecore.TrainPipeline(self.model, self.opt, device, trace=trace)
+            self.batches = itertools.cycle([LoaderBatch(*b) for b in pipelined_over])
 
     def step(self, dense: torch.Tensor, kjt, labels: torch.Tensor) -> None:
+        """One training step: of this batch (plain loop), or of the pipeline's next one (the
+        pipeline reads its batches one ahead, cycling over the same data)."""
         with torch.tpu.precision(self.precision):
-            logits = self.model(dense.to(self.device), kjt).squeeze(-1)
-            # The rank's sum over the global batch: with DDP summing, the global batch's mean loss.
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(
-                logits, labels.to(self.device), reduction="sum") / self.global_batch
+            if self.pipeline is not None:
+                self.pipeline.progress(self.batches)
+                return
+            loss, _ = self.model(LoaderBatch(dense, kjt, labels).to(self.device))
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             self.opt.step()
-        torch.tpu.synchronize()
 
     def bytes_sent(self) -> int:
         return sum(self.ebc.bytes_sent().values())
@@ -333,6 +348,7 @@ def timed_rounds(step: Callable[..., None], data: list[Batch], settings: Setting
             start = time.perf_counter()
             for i in range(settings.steps):
                 step(*data[(r * settings.steps + i) % len(data)])
+            torch.tpu.synchronize()  # what a pipeline left queued counts in its round
             local.append(time.perf_counter() - start)
     finally:
         gc.enable()
@@ -343,6 +359,22 @@ def free_side() -> None:
     """Drops what a freed side left: cycles, and the tpu allocator's cached blocks."""
     gc.collect()
     torch.tpu.empty_cache()
+
+
+def traced_round(side: OurSide, data: list[Batch], settings: Settings, anchor: dist.ProcessGroup) -> dict[str, Any]:
+    """One more round of the pipelined side with its stages traced: wall time against the sum
+    of the stages' times (overlap is the difference), and rank 0's intervals for the plot."""
+    trace = side.pipeline.trace
+    dist.barrier(group=anchor)
+    trace.clear()
+    for i in range(settings.steps):
+        side.step(*data[i % len(data)])
+    torch.tpu.synchronize()
+    summary = trace.summary()
+    start = min(i.start for i in trace.intervals)
+    summary["intervals"] = [(i.stage, i.lane, i.start - start, i.end - start) for i in trace.intervals]
+    summary["steps"] = settings.steps
+    return summary
 
 
 def measure_side(framework: str, kind: str, precision: str, build: Callable[[], Any], data: list[Batch],
@@ -360,8 +392,10 @@ def measure_side(framework: str, kind: str, precision: str, build: Callable[[], 
     with AllToAllBytes(counted_group, rank, world) as counter:
         rounds = timed_rounds(side.step, data, settings, anchor)
     timed_steps = settings.steps * settings.rounds
+    loop = "pipeline" if getattr(side, "pipeline", None) is not None else "plain"
     row: dict[str, Any] = {
-        "world": world, "side": f"{framework}:{kind}", "framework": framework, "sharding": kind,
+        "world": world, "side": f"{framework}{'+pipeline' if loop == 'pipeline' else ''}:{kind}",
+        "framework": framework, "sharding": kind, "loop": loop,
         "precision": precision, "samples_per_s": settings.steps * settings.batch / min(rounds),
         "round_s": rounds, "build_s": build_s,
         "a2a_counted_bytes_per_step": mean_over_ranks(counter.bytes / timed_steps, anchor),
@@ -374,6 +408,8 @@ def measure_side(framework: str, kind: str, precision: str, build: Callable[[], 
         row["a2a_bytes_per_step_max_rank"] = max_over_ranks([per_step], anchor)[0]
     else:
         row["a2a_bytes_per_step"] = row["a2a_counted_bytes_per_step"]
+    if loop == "pipeline":
+        row["trace"] = traced_round(side, data, settings, anchor)
     del side
     free_side()
     dist.barrier(group=anchor)
@@ -406,6 +442,11 @@ def run_rank(rank: int, world: int, port: int, settings: Settings) -> None:
         record(measure_side("ours", kind, "medium",
                             lambda: OurSide(sizes, settings.batch, kind, device, world, "medium"),
                             data, settings, anchor, None, rank, world))
+        if kind in settings.pipelined:  # right after the plain loop of the same plan: a paired comparison
+            record(measure_side("ours", kind, "medium",
+                                lambda: OurSide(sizes, settings.batch, kind, device, world, "medium",
+                                                pipelined_over=data, trace=StageTrace()),
+                                data, settings, anchor, None, rank, world))
     for kind in settings.torchrec:
         record(measure_side("torchrec", kind, "highest",
                             lambda: TorchRecSide(sizes, kind, torchrec_group, settings.batch),
@@ -458,6 +499,18 @@ def add_comparisons(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(line)
     if not any(r["world"] == TARGET_WORLD for r in rows):
         lines.append(f"target (world {TARGET_WORLD}) not measured")
+    plain = {(r["world"], r["sharding"], r["precision"]): r["samples_per_s"]
+             for r in rows if r["framework"] == "ours" and r["loop"] == "plain"}
+    pipelined = [r for r in rows if r.get("loop") == "pipeline"]
+    for r in rows:
+        base = plain.get((r["world"], r["sharding"], r["precision"])) if r.get("loop") == "pipeline" else None
+        r["x_plain_loop"] = r["samples_per_s"] / base if base else None
+    if pipelined:
+        met = [r for r in pipelined if r["x_plain_loop"] is not None and r["x_plain_loop"] >= PIPELINE_TARGET]
+        lines.append(f"exact pipeline / plain loop (target >= {PIPELINE_TARGET}x): " + ", ".join(
+            f"world {r['world']} {r['sharding']} {r['x_plain_loop']:.2f}x "
+            f"(stages {r['trace']['sum_of_stages_s'] / r['trace']['wall_s']:.2f}x the wall time)" for r in pipelined)
+            + f"; met in {len(met)} of {len(pipelined)}")
     scaled = [r for r in rows if r["scaling_vs_1"] is not None]
     if scaled:
         lines.append("scaling (N-process / 1-process samples/s): " + ", ".join(
@@ -475,10 +528,11 @@ def render(rows: list[dict[str, Any]], lines: list[str], meta: dict[str, Any]) -
         "samples/s": f"{r['samples_per_s']:,.0f}",
         "a2a MB/step/rank": ("n/a" if r["a2a_bytes_per_step"] is None else f"{r['a2a_bytes_per_step'] / 1e6:.3f}"),
         "x best TorchRec": fmt(r["x_best_torchrec"], ".2f"), "scaling vs 1": fmt(r["scaling_vs_1"], ".2f"),
+        "x plain loop": fmt(r.get("x_plain_loop"), ".2f"),
         "peak tpu GB/rank": f"{r['peak_tpu_gb']:.2f}", "build s": f"{r['build_s']:.1f}",
     } for r in rows]
     columns = ["world", "side", "precision", "samples/s", "a2a MB/step/rank", "x best TorchRec", "scaling vs 1",
-               "peak tpu GB/rank", "build s"]
+               "x plain loop", "peak tpu GB/rank", "build s"]
     head = (f"global batch {meta['batch']}, best of {meta['rounds']} round(s) x {meta['steps']} steps after "
             f"{meta['warmup']} warm-up step(s); a round's time is the max over ranks; threads per rank "
             f"{meta['threads_per_rank']}; ours: tpu, TorchRec: CPU fp32 over gloo; a2a: bytes a rank sends to the "
@@ -488,6 +542,48 @@ def render(rows: list[dict[str, Any]], lines: list[str], meta: dict[str, Any]) -
                       if r["framework"] == "torchrec" or r["precision"] == "medium")
     body = f"{head}\n\n{report.markdown_table(shown, columns)}\n\n" + "\n".join(f"- {s}" for s in lines)
     return body + f"\n\nplans:\n\n{plans}\n\nwall time {meta['wall_time_s']:.0f} s"
+
+
+def plot_traces(rows: list[dict[str, Any]], path: Path, steps: int = 3) -> None:
+    """Rank 0's stages over the first ``steps`` traced steps of each pipelined side, one lane per thread."""
+    if not rows:
+        return
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed in the venv: skipping the plot")
+        return
+    lanes = ["main", "sparsecore", "input dist"]
+    colors = {}
+    fig, axes = plt.subplots(len(rows), 1, figsize=(11, 1.6 + 1.1 * len(rows)), squeeze=False)
+    for ax, r in zip(axes[:, 0], rows):
+        trace = r["trace"]
+        horizon = trace["wall_s"] * steps / trace["steps"]
+        for stage, lane, start, end in trace["intervals"]:
+            if start > horizon:
+                continue
+            color = colors.setdefault(stage, f"C{len(colors)}")
+            ax.barh(lanes.index(lane), (end - start) * 1e3, left=start * 1e3, color=color, edgecolor="black",
+                    linewidth=0.3, label=stage)
+        ax.set_yticks(range(len(lanes)), lanes)
+        ax.invert_yaxis()
+        ax.set_title(f"world {r['world']} {r['sharding']}: {r['x_plain_loop'] or 0:.2f}x the plain loop; "
+                     f"sum of stages {trace['sum_of_stages_s'] / trace['wall_s']:.2f}x the wall time", fontsize=9)
+    axes[-1, 0].set_xlabel("ms (rank 0)")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    for ax in axes[1:, 0]:
+        for h, l in zip(*ax.get_legend_handles_labels()):
+            unique.setdefault(l, h)
+    fig.legend(unique.values(), unique.keys(), loc="upper right", fontsize=8, ncol=4)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
 
 
 # ---------------------------------------------------------------- launcher
@@ -518,6 +614,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="timed rounds per side (default 3; --quick 1)")
     parser.add_argument("--warmup", type=int, help="warm-up steps per side (default 3; --quick 1)")
     parser.add_argument("--ours", default=",".join(OURS), help="our sharding types to run")
+    parser.add_argument("--pipelined", default="table_wise,row_wise",
+                        help="our sharding types also run under sparsecore.TrainPipeline (a subset of --ours)")
     parser.add_argument("--torchrec", default=",".join(TORCHREC), help="TorchRec sharding types to run")
     parser.add_argument("--no-highest", action="store_true", help="skip our best plan at tpu precision highest")
     parser.add_argument("--threads", type=int, default=0, help="intra-op threads per rank (default cores // N)")
@@ -534,6 +632,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings(batch=batch, steps=pick(args.steps, 8, 2), rounds=pick(args.rounds, 3, 1),
                             warmup=pick(args.warmup, 3, 1), highest=not (quick or args.no_highest),
                             threads=args.threads, ours=parse_kinds(args.ours, OURS, parser),
+                            pipelined=parse_kinds(args.pipelined, OURS, parser),
                             torchrec=parse_kinds(args.torchrec, TORCHREC, parser), group_timeout_s=300.0,
                             out_file=str(Path(tmp) / "rows.json"))
         started = time.monotonic()
@@ -557,6 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     table = render(rows, lines, meta)
     print()
     print(table)
+    plot_traces([r for r in rows if r.get("loop") == "pipeline"], args.out / "dlrm_distributed_pipeline.png")
     json_path, md_path = report.write("dlrm_distributed", {"config": meta, "target": TARGET, "rows": rows,
                                                            "summary": lines}, table, out_dir=args.out)
     print(f"wrote {json_path}, {md_path}")

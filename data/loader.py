@@ -60,6 +60,12 @@ class Batch:
     def __len__(self) -> int:
         return len(self.labels)
 
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        """Dense features and labels on ``device``; the sparse features stay on the host,
+        where the SparseCore engine's preprocessing (or input distribution) reads them."""
+        return Batch(dense=self.dense.to(device, non_blocking=non_blocking), sparse=self.sparse,
+                     labels=self.labels.to(device, non_blocking=non_blocking))
+
 
 class BatchLoader:
     """Iterates one epoch of batches; call :meth:`set_epoch` between epochs, as with DistributedSampler."""

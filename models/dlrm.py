@@ -78,3 +78,24 @@ class DLRM_DCN(_SparseCoreForward, torchrec_dlrm.DLRM_DCN):
         _check_engine(embedding_bag_collection)
         super().__init__(embedding_bag_collection, dense_in_features, dense_arch_layer_sizes,
                          over_arch_layer_sizes, dcn_num_layers, dcn_low_rank_dim, dense_device)
+
+
+class DLRMTrain(torch.nn.Module):
+    """A DLRM with its loss, for training loops and ``sparsecore.TrainPipeline``:
+    ``forward(batch) -> (loss, (loss, logits, labels))`` (detached outputs), as
+    TorchRec's ``DLRMTrain``. The batch has ``dense``, ``sparse`` and ``labels``
+    (data.loader.Batch). The loss is binary cross-entropy summed over the batch's
+    samples and divided by ``loss_divisor`` (default: the batch size, a mean);
+    a rank of a distributed run divides by the global batch size instead, so that
+    summed gradients are the global batch's mean (models.distributed)."""
+
+    def __init__(self, model: torch.nn.Module, loss_divisor: int | None = None) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_divisor = loss_divisor
+
+    def forward(self, batch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        logits = self.model(batch.dense, batch.sparse).squeeze(-1)
+        divisor = self.loss_divisor or len(batch.labels)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") / divisor
+        return loss, (loss.detach(), logits.detach(), batch.labels)

@@ -7,7 +7,8 @@ a synthetic preset or a store written by ``python -m data.criteo preprocess``.
 
 Embeddings train on the SparseCore engine with their optimizer fused into
 the backward; the dense arch trains with a torch.optim optimizer on the
-TensorCore. Progress goes to a tqdm bar; validation metrics (AUC, log loss)
+TensorCore; ``sparsecore.TrainPipeline`` overlaps the two exactly (``--pipeline
+none``: the plain loop, same numbers). Progress goes to a tqdm bar; validation metrics (AUC, log loss)
 and throughput are appended to ``metrics.jsonl``; checkpoints are atomic and
 resuming continues the exact run (same batches, same updates). Ctrl-C
 finishes the current step, writes a checkpoint and exits.
@@ -25,6 +26,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,10 +35,10 @@ from tqdm import tqdm
 
 import sparsecore
 from data import schema
-from data.loader import ArraySource, BatchLoader, Source
+from data.loader import ArraySource, Batch, BatchLoader, Source
 from data.synthetic import PRESETS, SyntheticConfig, SyntheticCriteo
 from models import checkpoint, distributed
-from models.dlrm import DLRM, DLRM_DCN
+from models.dlrm import DLRM, DLRM_DCN, DLRMTrain
 from models.evaluation import evaluate
 
 logger = logging.getLogger(__name__)
@@ -100,6 +102,9 @@ class TrainConfig:
     """Under torchrun: a sharding plan (JSON, sparsecore.distributed.ShardingPlan); default: the default plan."""
     dense_parallel: str = "ddp"
     """Under torchrun: ``ddp`` (replicated dense arch) or ``fsdp2`` (fully_shard over its parts)."""
+    pipeline: str = "exact"
+    """``exact``: sparsecore.TrainPipeline (SparseCore and TensorCore work overlapped, same numbers);
+    ``none``: the plain loop (forward, backward, step per batch)."""
 
     def __post_init__(self) -> None:
         if self.model not in ("dlrm", "dcn"):
@@ -114,6 +119,8 @@ class TrainConfig:
             raise ValueError(f"the over arch must end in one logit, got {self.over_arch}")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs a checkpoint_dir")
+        if self.pipeline not in ("exact", "none"):
+            raise ValueError(f"pipeline {self.pipeline!r}: expected 'exact' or 'none'")
         if self.dense_parallel not in ("ddp", "fsdp2"):
             raise ValueError(f"dense_parallel {self.dense_parallel!r}: expected 'ddp' or 'fsdp2'")
 
@@ -121,7 +128,8 @@ class TrainConfig:
         """What a checkpoint must agree on to be resumed (not run length or bookkeeping)."""
         fixed = dataclasses.asdict(self)
         for key in ("epochs", "steps", "eval_interval", "eval_batches", "num_workers", "checkpoint_dir",
-                    "checkpoint_interval", "resume", "metrics_file", "progress", "plan", "dense_parallel"):
+                    "checkpoint_interval", "resume", "metrics_file", "progress", "plan", "dense_parallel",
+                    "pipeline"):
             fixed.pop(key)
         return fixed
 
@@ -258,6 +266,11 @@ class Trainer:
         # After the wrapping: FSDP2's parameters are its sharded DTensors.
         self.dense_opt = DENSE_OPTIMIZERS[cfg.dense_optimizer](dense_parameters(self._unwrapped), lr=cfg.dense_lr)
         self.ebc = self._unwrapped.sparse_arch.embedding_bag_collection
+        # The loss: the rank's sum over the global batch size; with DDP summing, every rank
+        # trains on the global batch's mean loss (models.distributed).
+        self.train_model = DLRMTrain(self.model, loss_divisor=cfg.batch_size)
+        self.pipeline = (sparsecore.TrainPipeline(self.train_model, self.dense_opt, self.device)
+                         if cfg.pipeline == "exact" else None)
         workers = cfg.num_workers
         shards = dict(rank=self.rank, world_size=self.world_size, preprocessor=preprocessor, num_workers=workers)
         self.train_loader = BatchLoader(self.data.train, cfg.batch_size, seed=cfg.seed, shuffle=True, **shards)
@@ -330,16 +343,16 @@ class Trainer:
             yield from self.train_loader
             epoch, start = epoch + 1, 0
 
-    def train_step(self, batch) -> float:
-        """One step; returns the global batch's mean loss."""
-        logits = self.model(batch.dense.to(self.device), batch.sparse).squeeze(-1)
-        # Sum over this rank's samples / the global batch: with DDP summing, every rank
-        # trains on the global batch's mean loss (models.distributed).
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(
-            logits, batch.labels.to(self.device), reduction="sum") / self.cfg.batch_size
-        self.dense_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        self.dense_opt.step()
+    def train_step(self, batches: Iterator[Batch]) -> float:
+        """One step on the next batch (by the pipeline, or the plain loop); returns the global
+        batch's mean loss."""
+        if self.pipeline is not None:
+            loss, _, _ = self.pipeline.progress(batches)
+        else:
+            loss, _ = self.train_model(next(batches).to(self.device))
+            self.dense_opt.zero_grad(set_to_none=True)
+            loss.backward()
+            self.dense_opt.step()
         return distributed.global_sum(loss.detach()).item()
 
     def run(self) -> dict[str, Any]:
@@ -357,7 +370,7 @@ class Trainer:
             batches = self._batches()
             while self.step < self.total_steps:
                 started = time.perf_counter()
-                loss = self.train_step(next(batches))
+                loss = self.train_step(batches)
                 train_time += time.perf_counter() - started
                 self.step += 1
                 self.losses.append(loss)
@@ -383,6 +396,8 @@ class Trainer:
                     self._save()
                     interrupted = True
                     break
+        if self.pipeline is not None:
+            self.pipeline.synchronize()
         bar.close()
         summary.update({"steps": self.step, "interrupted": interrupted, "train_seconds": train_time,
                         "samples_per_s": samples / train_time if train_time > 0 else 0.0})
@@ -443,6 +458,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--plan", default=None, help="under torchrun: a sharding plan JSON (default: the default plan)")
     p.add_argument("--dense-parallel", choices=["ddp", "fsdp2"], default=defaults.dense_parallel,
                    help="under torchrun: DDP or FSDP2 over the dense arch")
+    p.add_argument("--pipeline", choices=["exact", "none"], default=defaults.pipeline,
+                   help="exact: sparsecore.TrainPipeline (overlapped, same numbers); none: the plain loop")
     a = p.parse_args(argv)
     dense_arch = a.dense_arch or (*defaults.dense_arch[:-1], a.embedding_dim)
     try:
@@ -455,7 +472,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
             eval_interval=a.eval_interval, eval_batches=a.eval_batches, seed=a.seed, device=a.device,
             precision=a.precision, num_workers=a.num_workers, checkpoint_dir=a.checkpoint_dir,
             checkpoint_interval=a.checkpoint_interval, resume=a.resume, metrics_file=a.metrics_file,
-            progress=not a.no_progress, plan=a.plan, dense_parallel=a.dense_parallel)
+            progress=not a.no_progress, plan=a.plan, dense_parallel=a.dense_parallel, pipeline=a.pipeline)
     except ValueError as error:
         p.error(str(error))
 

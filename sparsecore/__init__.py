@@ -15,6 +15,7 @@ from sparsecore.convert import from_torchrec, to_torchrec
 from sparsecore.modules import SparseCoreEmbeddingBagCollection, SparseCoreEmbeddingCollection
 from sparsecore.preprocess import PartitionStats, PreprocessedBatch, Preprocessor, StackBatch, preprocess_stacks
 from sparsecore.stacking import StackSpec, TablePlacement, plan_stacks
+from sparsecore.pipeline import TrainPipeline
 
 def preprocess(features, module) -> PreprocessedBatch:
     """Host preprocessing of a KJT for a SparseCore module, ready for its forward."""
@@ -39,6 +40,7 @@ __all__ = [
     "StackBatch",
     "StackSpec",
     "TablePlacement",
+    "TrainPipeline",
     "as_sparsecore_config",
     "plan_stacks",
     "preprocess_stacks",

@@ -10,6 +10,7 @@ the module trains) holds the optimizer state the same way.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -18,8 +19,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from sparsecore.config import SparseCoreEmbeddingConfig, TorchRecConfig, as_sparsecore_config
 from sparsecore.errors import InputError
-from sparsecore.executor import executor_for
-from sparsecore.fused import exchanged_lookup, fused_lookup, placeholder
+from sparsecore.executor import Pending, executor_for
+from sparsecore.fused import exchanged_update, fused_lookup, fused_update, placeholder, trained_rows
 from sparsecore.fused_optimizer import FusedOptimizer, StepCount, TableState
 from sparsecore.kernels import lookup
 from sparsecore.optim import Optimizer, from_torch_optim
@@ -63,6 +64,8 @@ class SparseCoreCollection(nn.Module):
         n = num_sparsecores or default_num_sparsecores(self._device)
         self._stacks = plan_stacks(self._configs, n)
         self._allow_id_dropping = allow_id_dropping
+        self._deferred_updates = False  # see set_deferred_updates
+        self._prefetched: tuple[object, concurrent.futures.Future] | None = None  # see prefetch
         self._weights = nn.ParameterDict()
         for stack in self._stacks:
             weight = torch.zeros((n * stack.rows_per_sparsecore, stack.embedding_dim),
@@ -145,7 +148,8 @@ class SparseCoreCollection(nn.Module):
             entries[f"{t.name}.step"] = StepCount(self._steps[stack.name])
             state[handle] = entries
         hyper = {k: v for k, v in vars(self._optimizer).items() if k != "lr"}
-        return FusedOptimizer(params=params, state=state, lr_tensor=self._hyper, hyper=hyper)
+        return FusedOptimizer(params=params, state=state, lr_tensor=self._hyper, hyper=hyper,
+                              before_state_access=self.wait_for_updates)
 
     # ---- weights ----
 
@@ -154,12 +158,14 @@ class SparseCoreCollection(nn.Module):
 
     def table_weight(self, table: str) -> torch.Tensor:
         """A copy of the table's (num_embeddings, dim) weights in logical row order."""
+        self.wait_for_updates()
         stack = self._stack_of(table)
         weight = self._weights[stack.name]
         return weight.detach().index_select(0, logical_to_physical(stack, table, weight.device))
 
     def table_optimizer_state(self, table: str) -> dict[str, torch.Tensor]:
         """Copies of the table's rows of each optimizer state tensor, in logical row order."""
+        self.wait_for_updates()
         stack = self._stack_of(table)
         state = self._optimizer_state.get(stack.name, {})
         return {name: t.index_select(0, logical_to_physical(stack, table, t.device)) for name, t in state.items()}
@@ -167,12 +173,14 @@ class SparseCoreCollection(nn.Module):
     @torch.no_grad()
     def set_table_optimizer_state(self, table: str, name: str, value: torch.Tensor) -> None:
         """Writes the table's rows (logical order) of the optimizer state tensor ``name``."""
+        self.wait_for_updates()
         stack = self._stack_of(table)
         target = self._optimizer_state[stack.name][name]
         target.index_copy_(0, logical_to_physical(stack, table, target.device), value.to(target))
 
     @torch.no_grad()
     def set_table_weight(self, table: str, weight: torch.Tensor) -> None:
+        self.wait_for_updates()
         stack = self._stack_of(table)
         target = self._weights[stack.name]
         rows = logical_to_physical(stack, table, target.device)
@@ -204,21 +212,67 @@ class SparseCoreCollection(nn.Module):
         forward moves them to the device)."""
         return Preprocessor(tuple(self._stacks), self._allow_id_dropping)
 
+    def _device_coo(self, stack: StackSpec, coo: StackBatch) -> tuple:
+        device = self._weights[stack.name].device
+        return (coo.row_pointers.to(device), coo.embedding_ids.to(device), coo.sample_ids.to(device),
+                coo.gains.to(device), coo.num_bags, coo.batch_size)
+
     def _lookup(self, stack: StackSpec, coo: StackBatch) -> torch.Tensor:
         """(bags, dim) rows of one stack; trains the stack in the backward if there is an optimizer."""
         weight = self._weights[stack.name]
-        args = (coo.row_pointers.to(weight.device), coo.embedding_ids.to(weight.device),
-                coo.sample_ids.to(weight.device), coo.gains.to(weight.device))
+        args = self._device_coo(stack, coo)
         if self._optimizer is None or not torch.is_grad_enabled():
-            return lookup(weight, *args, coo.num_bags, coo.batch_size)
+            return lookup(weight, *args)
+        if stack.name in self._row_exchanges:
+            return trained_rows(self._placeholder, lookup(weight, *args), self._update_of(stack, args))
+        return fused_lookup(self._placeholder, weight, list(self._optimizer_state[stack.name].values()),
+                            self._steps[stack.name], self._hyper, *args, self._optimizer.kernel_code,
+                            self._deferred_updates and weight.device.type == "tpu")
+
+    def _update_of(self, stack: StackSpec, coo: tuple) -> Callable[[torch.Tensor], None]:
+        """The stack's optimizer step for a batch's ``coo``, given its output's gradient."""
+        state = (self._weights[stack.name], list(self._optimizer_state[stack.name].values()),
+                 self._steps[stack.name], self._hyper, coo, self._optimizer.kernel_code)
         exchange = self._row_exchanges.get(stack.name)
         if exchange is not None:
-            return exchanged_lookup(self._placeholder, weight, list(self._optimizer_state[stack.name].values()),
-                                    self._steps[stack.name], self._hyper, (*args, coo.num_bags, coo.batch_size),
-                                    self._optimizer.kernel_code, exchange, stack.rows_per_sparsecore)
-        return fused_lookup(self._placeholder, weight, list(self._optimizer_state[stack.name].values()),
-                            self._steps[stack.name], self._hyper, *args, coo.num_bags, coo.batch_size,
-                            self._optimizer.kernel_code)
+            return functools.partial(exchanged_update, *state, exchange, stack.rows_per_sparsecore)
+        deferred = self._deferred_updates and self._device.type == "tpu"
+        return functools.partial(fused_update, *state, deferred)
+
+    def _detached_lookups(self, features: KeyedJaggedTensor | PreprocessedBatch) -> tuple[PreprocessedBatch, dict]:
+        """Preprocessing and the lookup kernels without autograd (what the executor runs):
+        the batch and, per stack, (rows, coo on the device)."""
+        batch = features if isinstance(features, PreprocessedBatch) else self.preprocess(features)
+        out = {}
+        with torch.no_grad():
+            for stack in self._stacks:
+                coo = self._device_coo(stack, batch.stacks[stack.name])
+                out[stack.name] = (lookup(self._weights[stack.name], *coo), coo)
+        return batch, out
+
+    def _attach(self, batch: PreprocessedBatch, looked_up: dict) -> dict[str, torch.Tensor]:
+        """Detached lookups joined to the autograd graph (in the calling thread) when training."""
+        if self._optimizer is None or not torch.is_grad_enabled():
+            return {name: rows for name, (rows, _) in looked_up.items()}
+        return {stack.name: trained_rows(self._placeholder, looked_up[stack.name][0],
+                                         self._update_of(stack, looked_up[stack.name][1]))
+                for stack in self._stacks}
+
+    def set_deferred_updates(self, enabled: bool = True) -> None:
+        """Deferred: the backward queues each fused update on the SparseCore executor and
+        returns, so the dense backward and optimizer step run meanwhile (TrainPipeline
+        turns this on). The executor runs work in order, so the next lookup still sees
+        the updated rows; reading weights or optimizer state here waits for the queue.
+        On a device without a SparseCore executor (cpu) updates always run inline.
+        Stacks with a row exchange (sharded data-parallel or column-wise row-wise
+        Adagrad tables) always update inline: their exchanges are collectives, which
+        must stay in the calling thread's order."""
+        self._deferred_updates = enabled
+
+    def wait_for_updates(self) -> None:
+        """Waits for the deferred updates queued so far (and raises their error, if any)."""
+        if self._deferred_updates and self._device.type == "tpu":
+            executor_for(self._device).synchronize()
 
     def set_row_exchange(self, stack: str, exchange: Callable) -> None:
         """Splits the stack's fused backward around ``exchange(rows, grads) -> (rows, grads,
@@ -229,18 +283,61 @@ class SparseCoreCollection(nn.Module):
             raise KeyError(f"no stack {stack!r}; the stacks are {[s.name for s in self._stacks]}")
         self._row_exchanges[stack] = exchange
 
-    def forward_async(self, features: KeyedJaggedTensor | PreprocessedBatch) -> concurrent.futures.Future:
-        """Runs forward (preprocessing included) on the device's SparseCore executor.
+    def forward(self, features: KeyedJaggedTensor | PreprocessedBatch):
+        """The lookup of ``features`` (see the subclass's ``_assemble``), or the result of
+        its :meth:`prefetch` when one was started for this very object."""
+        pending = self._take_prefetched(features)
+        return pending.result() if pending is not None else self._assemble(*self._lookup_all(features))
 
-        Returns a Future of what forward returns; TensorCore work issued meanwhile
-        overlaps it. Off the tpu there is no SparseCore stream: the forward runs
-        at once and the Future is already done.
+    def forward_async(self, features: KeyedJaggedTensor | PreprocessedBatch) -> Pending:
+        """Runs forward's preprocessing and lookups on the device's SparseCore executor.
+
+        Returns a Future-like ``Pending`` of what forward returns; TensorCore work
+        issued meanwhile overlaps it. Its ``result()``, in the calling thread, joins
+        the rows to the autograd graph (under that thread's grad mode). Off the tpu
+        there is no SparseCore stream: the lookups run at once.
         """
+        pending = self._take_prefetched(features)
+        if pending is not None:
+            return pending
+        return self._pending(self._run_async("lookup", self._detached_lookups, features))
+
+    def _pending(self, looked_up: concurrent.futures.Future) -> Pending:
+        return Pending(looked_up, lambda result: self._assemble(result[0], self._attach(*result)))
+
+    def _run_async(self, stage: str, fn: Callable, *args) -> concurrent.futures.Future:
         if self._device.type != "tpu":
             done: concurrent.futures.Future = concurrent.futures.Future()
-            done.set_result(self.forward(features))
+            done.set_result(fn(*args))
             return done
-        return executor_for(self._device).submit(self.forward, features)
+        return executor_for(self._device).run(stage, fn, *args)
+
+    def prepare(self, features: KeyedJaggedTensor | PreprocessedBatch) -> concurrent.futures.Future:
+        """Starts the host preprocessing of a batch (on the SparseCore executor, after the
+        work queued there): the first stage of :meth:`prefetch`, which reads no weights,
+        so it may run any time ahead."""
+        if isinstance(features, PreprocessedBatch):
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(features)
+            return done
+        return self._run_async("preprocess", self.preprocess, features)
+
+    def prefetch(self, features: KeyedJaggedTensor | PreprocessedBatch,
+                 prepared: concurrent.futures.Future | None = None) -> None:
+        """Queues the lookups of ``features`` now; the next ``forward``/``forward_async`` of the
+        same object takes their result instead of looking up again. Lookups queue behind the
+        deferred updates already queued, so prefetching after a backward sees its updates.
+        ``prepared``: the Future :meth:`prepare` returned for these features."""
+        if prepared is None:
+            prepared = self.prepare(features)
+        looked_up = self._run_async("lookup", lambda: self._detached_lookups(prepared.result()))
+        self._prefetched = (features, self._pending(looked_up))
+
+    def _take_prefetched(self, features) -> Pending | None:
+        if self._prefetched is not None and self._prefetched[0] is features:
+            pending, self._prefetched = self._prefetched[1], None
+            return pending
+        return None
 
     def _lookup_all(self, features: KeyedJaggedTensor | PreprocessedBatch) -> tuple[PreprocessedBatch, dict[str, torch.Tensor]]:
         batch = features if isinstance(features, PreprocessedBatch) else self.preprocess(features)

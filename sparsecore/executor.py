@@ -10,10 +10,13 @@ streams.
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from sparsecore.trace import StageTrace
 
 
 class SparseCoreExecutor:
@@ -22,13 +25,60 @@ class SparseCoreExecutor:
     def __init__(self, device: torch.device | str = "tpu"):
         self.device = torch.device(device)
         self.stream = torch.tpu.Stream(self.device)
+        self._deferred: list[concurrent.futures.Future] = []
+        self.trace: StageTrace | None = None
+        self._lock = threading.Lock()
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
         # torch.tpu.submit carries the caller's grad mode and thread count over.
         return torch.tpu.submit(self.stream, fn, *args, **kwargs)
 
+    def run(self, stage: str, fn: Callable[..., Any], /, *args: Any) -> concurrent.futures.Future:
+        """``submit``, timed as ``stage`` when a trace is set (``trace``: sparsecore.trace.StageTrace)."""
+        if self.trace is not None:
+            fn = self.trace.wrap(fn, stage, "sparsecore")
+        return self.submit(fn, *args)
+
+    def defer(self, stage: str, fn: Callable[..., Any], /, *args: Any) -> None:
+        """Queues work nobody waits for (a deferred sparse update); its error, if any,
+        is raised by the next :meth:`synchronize` or :meth:`raise_deferred_error`."""
+        future = self.run(stage, fn, *args)
+        with self._lock:
+            self._deferred = [f for f in self._deferred if not f.done() or f.exception() is not None]
+            self._deferred.append(future)
+
+    def raise_deferred_error(self) -> None:
+        """Raises the first error of finished deferred work (once)."""
+        with self._lock:
+            failed = [f for f in self._deferred if f.done() and f.exception() is not None]
+            self._deferred = [f for f in self._deferred if not f.done()]
+        if failed:
+            raise failed[0].exception()
+
     def synchronize(self) -> None:
+        """Waits for everything queued so far, deferred work included."""
         self.stream.synchronize()
+        self.raise_deferred_error()
+
+
+class Pending:
+    """Work on the executor and what the caller finishes it with: ``result()`` waits for the
+    work, then runs ``finish(work's result)`` in the calling thread, once (later calls
+    return the same value). Has the Future calls callers use: ``result(timeout)``, ``done()``."""
+
+    def __init__(self, work: concurrent.futures.Future, finish: Callable[[Any], Any]) -> None:
+        self._work, self._finish = work, finish
+        self._value: Any = None
+        self._finished = False
+
+    def done(self) -> bool:
+        return self._work.done()
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self._finished:
+            self._value = self._finish(self._work.result(timeout))
+            self._finished = True
+        return self._value
 
 
 _executors: dict[torch.device, SparseCoreExecutor] = {}

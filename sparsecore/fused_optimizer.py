@@ -66,9 +66,19 @@ class _ParamGroup(dict):
 class FusedOptimizer(KeyedOptimizer):
     """``module.fused_optimizer``: state and learning rate of the fused update."""
 
-    def __init__(self, *, params: dict[str, torch.Tensor], state: dict, lr_tensor: torch.Tensor, hyper: dict):
+    def __init__(self, *, params: dict[str, torch.Tensor], state: dict, lr_tensor: torch.Tensor, hyper: dict,
+                 before_state_access: Callable[[], None] = lambda: None):
         group = _ParamGroup(lr_tensor, params=list(params.values()), lr=float(lr_tensor[0]), **hyper)
         super().__init__(params=params, state=state, param_groups=[group])
+        self._before_state_access = before_state_access  # waits for deferred updates
+
+    def state_dict(self) -> dict:
+        self._before_state_access()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._before_state_access()
+        super().load_state_dict(state_dict)
 
     @property
     def lr(self) -> float:

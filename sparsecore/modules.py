@@ -46,7 +46,10 @@ class SparseCoreEmbeddingBagCollection(SparseCoreCollection):
         return [t.config for t in self._configs]
 
     def forward(self, features: KeyedJaggedTensor | PreprocessedBatch) -> KeyedTensor:
-        batch, outputs = self._lookup_all(features)
+        """Pooled embeddings of every feature: TorchRec's keys and order, (B, sum of dims)."""
+        return super().forward(features)
+
+    def _assemble(self, batch: PreprocessedBatch, outputs: dict[str, torch.Tensor]) -> KeyedTensor:
         size = batch.batch_size
         # The lookup writes a stack's bags straight into its (B, features x dim)
         # block (sparsecore.kernels): a view, no copy in either direction.
@@ -83,7 +86,10 @@ class SparseCoreEmbeddingCollection(SparseCoreCollection):
         return [t.config for t in self._configs]
 
     def forward(self, features: KeyedJaggedTensor | PreprocessedBatch) -> dict[str, JaggedTensor]:
-        batch, outputs = self._lookup_all(features)
+        """Per feature, one embedding row per id (TorchRec's EmbeddingCollection contract)."""
+        return super().forward(features)
+
+    def _assemble(self, batch: PreprocessedBatch, outputs: dict[str, torch.Tensor]) -> dict[str, JaggedTensor]:
         result: dict[str, JaggedTensor] = {}
         for stack in self._stacks:
             out = outputs[stack.name]

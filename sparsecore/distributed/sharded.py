@@ -24,22 +24,9 @@ from sparsecore.distributed.layout import ShardLayout
 from sparsecore.distributed.output_dist import OutputDist
 from sparsecore.distributed.plan import COLUMN_WISE, ShardingPlan, default_plan
 from sparsecore.distributed.row_exchange import merge_across_ranks, whole_row_statistic
-from sparsecore.executor import executor_for
+from sparsecore.executor import Pending, executor_for
 from sparsecore.modules import SparseCoreEmbeddingBagCollection
 from sparsecore.optim import RowWiseAdagrad
-
-
-class _PendingOutput:
-    """What forward_async returns: ``result()`` waits for the lookups and distributes the
-    rows (once; later calls return the same KeyedTensor)."""
-
-    def __init__(self, finish) -> None:
-        self._finish, self._value = finish, None
-
-    def result(self) -> KeyedTensor:
-        if self._value is None:
-            self._value = self._finish()
-        return self._value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +82,8 @@ class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
         self._input_dist = InputDist(self._layout, self._rank, process_group)
         self._output_dist = OutputDist(self._layout.output_gathers(),
                                        [self._layout.local_width(r) for r in range(world)], process_group, self._rank)
+        self._ahead: tuple[concurrent.futures.ThreadPoolExecutor, InputDist] | None = None  # see prepare
+        self._prefetched: tuple[KeyedJaggedTensor, Pending] | None = None
         self._keys = [f for c in self._configs for f in c.feature_names]
         self._dims = [c.embedding_dim for c in self._configs for _ in c.feature_names]
 
@@ -142,41 +131,97 @@ class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
         return self.forward_async(features).result()
 
     def _lookups(self, features: KeyedJaggedTensor, local_batch: KeyedJaggedTensor) -> tuple:
-        """The local engines' rows: the shards' for the global batch, the replicas' for ours."""
-        if self.engine is not None:
-            pooled = self.engine(local_batch).values()
-        else:
-            pooled = torch.zeros(local_batch.stride(), 0, device=self._device)
+        """The local engines' detached lookups (on the executor): the shards' for the global
+        batch, the replicas' for ours."""
+        shards = self.engine._detached_lookups(local_batch) if self.engine is not None else None
         replicated = None
         if self.replicas is not None:
             jagged = features.to_dict()
             own = {f: jagged[f] for c in self._layout.replicated for f in c.feature_names}
-            replicated = self.replicas(KeyedJaggedTensor.from_jt_dict(own)).values()
+            replicated = self.replicas._detached_lookups(KeyedJaggedTensor.from_jt_dict(own))
+        return shards, replicated
+
+    def _attached(self, looked_up: tuple, batch_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The lookups joined to the autograd graph, in the calling thread: (pooled, replicated)."""
+        shards, replicated = looked_up
+        if shards is not None:
+            pooled = self.engine._assemble(shards[0], self.engine._attach(*shards)).values()
+        else:
+            pooled = torch.zeros(batch_size, 0, device=self._device)
+        if replicated is not None:
+            replicated = self.replicas._assemble(replicated[0], self.replicas._attach(*replicated)).values()
         return pooled, replicated
 
     def bytes_sent(self) -> dict[str, int]:
         """Bytes this rank has sent to other ranks so far: ids (input) and pooled rows with
         their gradients (output); the replicas' row-gradient exchange is not counted."""
-        return {"input": self._input_dist.bytes_sent, "output": self._output_dist.sent.bytes_sent}
+        ahead = self._ahead[1].bytes_sent if self._ahead is not None else 0
+        return {"input": self._input_dist.bytes_sent + ahead, "output": self._output_dist.sent.bytes_sent}
 
-    def forward_async(self, features: KeyedJaggedTensor) -> _PendingOutput:
+    def forward_async(self, features: KeyedJaggedTensor) -> Pending:
         """forward in three parts: the input distribution now, the local lookups on the
         SparseCore executor (TensorCore work issued meanwhile overlaps them), and the output
         distribution when ``result()`` is called. The collectives stay on the calling
         thread, so every rank issues them in the same order."""
-        local_batch, batch_sizes = self._input_dist(features)
-        if self._device.type == "tpu":
-            lookups = executor_for(self._device).submit(self._lookups, features, local_batch)
-        else:
-            lookups = concurrent.futures.Future()
-            lookups.set_result(self._lookups(features, local_batch))
+        if self._prefetched is not None and self._prefetched[0] is features:
+            pending, self._prefetched = self._prefetched[1], None
+            return pending
+        distributed: concurrent.futures.Future = concurrent.futures.Future()
+        distributed.set_result(self._input_dist(features))
+        return self._start_lookups(features, distributed)
 
-        def finish() -> KeyedTensor:
-            pooled, replicated = lookups.result()
+    def _start_lookups(self, features: KeyedJaggedTensor, distributed: concurrent.futures.Future) -> Pending:
+        def lookups():
+            return self._lookups(features, distributed.result()[0])
+
+        if self._device.type == "tpu":
+            looked_up = executor_for(self._device).run("lookup", lookups)
+        else:
+            looked_up = concurrent.futures.Future()
+            looked_up.set_result(lookups())
+
+        def finish(result) -> KeyedTensor:
+            local_batch, batch_sizes = distributed.result()
+            pooled, replicated = self._attached(result, local_batch.stride())
             values = self._output_dist(pooled, batch_sizes, self._rank, replicated)
             return KeyedTensor(keys=self._keys, length_per_key=self._dims, values=values)
 
-        return _PendingOutput(finish)
+        return Pending(looked_up, finish)
+
+    def prepare(self, features: KeyedJaggedTensor) -> concurrent.futures.Future:
+        """Starts the input distribution of a batch ahead of its forward, on a thread and a
+        process group of its own, so that it overlaps the current batch's compute without
+        interleaving with the collectives of the calling thread. The first call creates
+        that group: every rank must make it at the same point (as a pipeline does)."""
+        if self._ahead is None:
+            ranks = dist.get_process_group_ranks(self._group if self._group is not None else dist.group.WORLD)
+            input_dist = InputDist(self._layout, self._rank, dist.new_group(ranks))
+            self._ahead = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sparsecore-input-dist"),
+                           input_dist)
+        thread, input_dist = self._ahead
+        trace = executor_for(self._device).trace if self._device.type == "tpu" else None
+        run = trace.wrap(input_dist, "input dist", "input dist") if trace is not None else input_dist
+        return thread.submit(run, features)
+
+    def prefetch(self, features: KeyedJaggedTensor, prepared: concurrent.futures.Future | None = None) -> None:
+        """Queues the local lookups of ``features`` now (after the deferred updates queued so
+        far); the next forward of the same object takes them. ``prepared``: from :meth:`prepare`."""
+        if prepared is None:
+            prepared = concurrent.futures.Future()
+            prepared.set_result(self._input_dist(features))
+        self._prefetched = (features, self._start_lookups(features, prepared))
+
+    def _engines(self) -> list[SparseCoreEmbeddingBagCollection]:
+        return [e for e in (self.engine, self.replicas) if e is not None]
+
+    def set_deferred_updates(self, enabled: bool = True) -> None:
+        """See SparseCoreCollection.set_deferred_updates (the local engines')."""
+        for engine in self._engines():
+            engine.set_deferred_updates(enabled)
+
+    def wait_for_updates(self) -> None:
+        for engine in self._engines():
+            engine.wait_for_updates()
 
     def local_shards(self) -> list[LocalShard]:
         """This rank's pieces of every table (for checkpoints and checks)."""
@@ -195,14 +240,15 @@ class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
 
     def step_count(self) -> torch.Tensor:
         """The optimizer's step count (every engine of every rank steps once per backward)."""
-        engines = [e for e in (self.engine, self.replicas) if e is not None and e._steps]
+        self.wait_for_updates()
+        engines = [e for e in self._engines() if e._steps]
         return next(iter(engines[0]._steps.values())) if engines else torch.zeros(1, dtype=torch.int64)
 
     def set_step_count(self, value: torch.Tensor) -> None:
-        for engine in (self.engine, self.replicas):
-            if engine is not None:
-                for step in engine._steps.values():
-                    step.copy_(value)
+        self.wait_for_updates()
+        for engine in self._engines():
+            for step in engine._steps.values():
+                step.copy_(value)
 
     @torch.no_grad()
     def set_local_shards_of(self, table: str, shards: list[LocalShard]) -> None:

@@ -1,4 +1,5 @@
-"""``torchrun -m models.train`` with sharded embeddings trains as one process on the same global batch."""
+"""``torchrun -m models.train`` with sharded embeddings (and the exact pipeline, its default) trains as one
+process on the same global batch by the plain loop."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def run(args: list[str], metrics: Path, ranks: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory) -> list[dict]:
-    return run([], tmp_path_factory.mktemp("single") / "metrics.jsonl", 1)
+    return run(["--pipeline", "none"], tmp_path_factory.mktemp("single") / "metrics.jsonl", 1)  # the plain loop
 
 
 @pytest.mark.parametrize("kind", ["default", "table_wise", "row_wise", "column_wise", "table_row_wise",

@@ -138,6 +138,19 @@ def test_tpu_and_cpu_runs_give_the_same_losses():
         torch.testing.assert_close(value.cpu(), cpu.model.state_dict()[key], atol=1e-5, rtol=1e-4, msg=key)
 
 
+def test_the_pipeline_trains_as_the_plain_loop():
+    """The default (sparsecore.TrainPipeline) and --pipeline none: the same run, bit for bit,
+    validation in between included (it reads the tables while the pipeline has work queued)."""
+    piped = Trainer(small(steps=12, eval_interval=5, eval_batches=2, embedding_optimizer="adam"))
+    plain = Trainer(small(steps=12, eval_interval=5, eval_batches=2, embedding_optimizer="adam", pipeline="none"))
+    assert piped.pipeline is not None and plain.pipeline is None
+    piped_summary, plain_summary = piped.run(), plain.run()
+    assert piped.losses == plain.losses
+    assert piped_summary["val_auc"] == plain_summary["val_auc"]
+    assert_same_tree(piped.model.state_dict(), plain.model.state_dict())
+    assert_same_tree(piped.ebc.fused_optimizer.state_dict(), plain.ebc.fused_optimizer.state_dict())
+
+
 def test_losses_follow_the_loss_of_the_model_on_the_batches():
     # Step 1's loss is the BCE of the freshly built model on the first batch of epoch 0, computed here by hand.
     cfg = small(steps=1, precision="highest")

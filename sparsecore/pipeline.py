@@ -1,0 +1,176 @@
+"""``sparsecore.TrainPipeline``: training steps with the SparseCore and TensorCore overlapped, exactly.
+
+The model is TorchRec's pipeline contract: ``model(batch) -> (losses, output)``
+(e.g. ``models.dlrm.DLRMTrain``); ``progress(dataloader_iter)`` trains one
+batch and returns its ``output``, raising ``StopIteration`` when the iterator
+is done. One ``progress`` on batch i runs:
+
+    training loop (main thread)      SparseCore executor          input thread (sharded)
+    fetch i+1, prepare(i+1)      ->  preprocess(i+1)        or    input dist of i+1
+    forward(i)                       (lookup(i) was queued last step)
+    backward(i)                  ->  sparse update(i)  (deferred: queued, not waited for)
+    prefetch(i+1)                ->  lookup(i+1)       (queued after update(i))
+    optimizer.step()                 ... meanwhile
+
+so host preprocessing and the input distribution of batch i+1 overlap batch
+i's compute, the lookup overlaps the dense forward, and the sparse update
+overlaps the rest of the dense backward and the optimizer step. The
+executor runs its queue in order, so every lookup sees every earlier update:
+the numbers are the plain loop's (``forward, backward, step`` per batch),
+which the tests check. TorchRec's semi-synchronous pipeline (looking up batch
+i+1 before batch i's update) is not exact and is not offered.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from sparsecore.collection import SparseCoreCollection
+from sparsecore.distributed.sharded import ShardedSparseCoreEmbeddingBagCollection
+from sparsecore.executor import executor_for
+from sparsecore.trace import StageTrace
+
+SparseModule = SparseCoreCollection | ShardedSparseCoreEmbeddingBagCollection
+
+
+def sparse_modules(model: nn.Module) -> list[SparseModule]:
+    """The SparseCore collections of a model (a sharded one counts once, not its local engines)."""
+    found: list[SparseModule] = []
+    skip: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix + ".") for prefix in skip):
+            continue
+        if isinstance(module, (SparseCoreCollection, ShardedSparseCoreEmbeddingBagCollection)):
+            found.append(module)
+            skip.append(name)
+    return found
+
+
+def default_sparse_features(batch: Any) -> list[Any]:
+    """The batch's ``sparse_features`` (TorchRec's Batch) or ``sparse`` (data.loader.Batch)."""
+    for attribute in ("sparse_features", "sparse"):
+        if hasattr(batch, attribute):
+            return [getattr(batch, attribute)]
+    raise TypeError(f"cannot find the sparse features of a {type(batch).__name__}: expected a sparse_features or "
+                    "sparse attribute; pass sparse_features=<function of the batch> to TrainPipeline")
+
+
+@dataclasses.dataclass
+class _Staged:
+    batch: Any
+    features: list[Any]
+    prepared: list[concurrent.futures.Future]
+
+
+class TrainPipeline:
+    """Exact SparseCore/TensorCore pipeline (see the module docstring).
+
+    ``model(batch) -> (losses, output)``; ``optimizer`` steps the dense
+    parameters (the SparseCore tables train in the backward). ``device``: where
+    batches go (``batch.to(device, non_blocking=True)`` when the batch has
+    ``to``). ``sparse_features(batch)``: the features of each of the model's
+    SparseCore collections, in ``sparse_modules(model)`` order (default: the
+    batch's ``sparse_features`` or ``sparse``, for a model with one
+    collection). ``trace``: a StageTrace to record the stages in.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device | str, *,
+                 sparse_features: Callable[[Any], Sequence[Any]] | None = None,
+                 trace: StageTrace | None = None) -> None:
+        self._model, self._optimizer, self._device = model, optimizer, torch.device(device)
+        self.modules = sparse_modules(model)
+        if not self.modules:
+            raise ValueError("the model has no SparseCore embedding collection; TrainPipeline pipelines their "
+                             "lookups and updates (use a plain training loop for other models)")
+        if sparse_features is None and len(self.modules) > 1:
+            raise ValueError(f"the model has {len(self.modules)} SparseCore collections: pass "
+                             "sparse_features=<function of the batch returning their features, in order>")
+        self._features_of = sparse_features or default_sparse_features
+        for module in self.modules:
+            module.set_deferred_updates(True)
+        self.trace = trace
+        if self._device.type == "tpu":
+            executor_for(self._device).trace = trace
+        self._current: _Staged | None = None
+        self._iterator: Iterator[Any] | None = None
+        self._done = False
+
+    def _stage(self, name: str):
+        return self.trace.stage(name, "main") if self.trace is not None else contextlib.nullcontext()
+
+    def _fetch(self, dataloader_iter: Iterator[Any]) -> _Staged | None:
+        """The next batch, on its way to the device, its sparse features being prepared."""
+        with self._stage("fetch"):
+            try:
+                batch = next(dataloader_iter)
+            except StopIteration:
+                return None
+            if hasattr(batch, "to"):
+                batch = batch.to(self._device, non_blocking=True)
+            features = list(self._features_of(batch))
+            if len(features) != len(self.modules):
+                raise ValueError(f"sparse_features gave {len(features)} feature sets for {len(self.modules)} "
+                                 "SparseCore collections")
+            return _Staged(batch, features, [m.prepare(f) for m, f in zip(self.modules, features)])
+
+    def _prefetch(self, staged: _Staged) -> None:
+        for module, features, prepared in zip(self.modules, staged.features, staged.prepared):
+            module.prefetch(features, prepared)
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        """Trains the next batch; returns the model's output for it. Once an iterator is
+        exhausted, raises StopIteration; a new iterator starts the pipeline afresh."""
+        if self._done and dataloader_iter is not self._iterator:
+            self._done = False
+        self._iterator = dataloader_iter
+        if self._current is None:
+            staged = None if self._done else self._fetch(dataloader_iter)
+            if staged is None:
+                self._done = True
+                raise StopIteration
+            self._prefetch(staged)
+            self._current = staged
+        current = self._current
+        upcoming = self._fetch(dataloader_iter)
+        training = self._model.training
+        with self._stage("forward"):
+            if training:
+                self._optimizer.zero_grad(set_to_none=True)
+            losses, output = self._model(current.batch)
+        if training:
+            with self._stage("backward"):
+                losses.sum().backward()
+        if upcoming is not None:
+            self._prefetch(upcoming)  # after the backward: behind its sparse updates
+        if training:
+            with self._stage("optimizer"):
+                self._optimizer.step()
+        self._current = upcoming
+        self._done = upcoming is None
+        for module in self.modules:
+            _raise_update_errors(module)
+        return output
+
+    def synchronize(self) -> None:
+        """Waits for the work in flight: the next batch's preparation (its input distribution,
+        whose collectives must finish before the process group goes) and the queued sparse
+        updates (reading weights waits for those by itself)."""
+        if self._current is not None:
+            for prepared in self._current.prepared:
+                prepared.result()
+        for module in self.modules:
+            module.wait_for_updates()
+
+
+def _raise_update_errors(module: SparseModule) -> None:
+    device = module._device
+    if device.type == "tpu":
+        executor_for(device).raise_deferred_error()
+

@@ -1,0 +1,182 @@
+"""sparsecore.TrainPipeline: the same numbers as the plain loop, with the sparse work overlapped.
+
+The reference is the plain loop (zero_grad, forward, backward, step per batch)
+on an identically built model: after 10 steps the tables, the fused optimizer
+state, the dense weights and their optimizer state are equal, bit for bit, and
+so is every step's loss. Two-rank pipelines (every sharding type, DDP and
+FSDP2) are checked against the single-process plain loop in
+tests/models/test_distributed_train.py.
+"""
+
+import itertools
+import threading
+
+import pytest
+import torch
+from torchrec import EmbeddingBagConfig
+
+import sparsecore
+from data import schema
+from data.loader import Batch, BatchLoader
+from data.synthetic import SyntheticConfig, SyntheticCriteo
+from models.dlrm import DLRM, DLRMTrain
+from models.train import dense_parameters
+from sparsecore.executor import executor_for
+from sparsecore.trace import StageTrace
+
+BATCH, DIM, STEPS = 128, 8, 10
+# The fused optimizer steps in the backward, so its scheduler steps with no optimizer.step() before it.
+pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+
+
+def loader(preprocessor=None) -> list[Batch]:
+    source = SyntheticCriteo(SyntheticConfig(scale=1e-5, num_samples=STEPS * BATCH, multi_hot=True, seed=5))
+    return list(BatchLoader(source, BATCH, shuffle=False, preprocessor=preprocessor)), source.table_sizes
+
+
+def build(sizes, embedding_optimizer, seed=0):
+    limit = BATCH * 200
+    tables = [sparsecore.SparseCoreEmbeddingConfig(
+        config=EmbeddingBagConfig(name=f"t_{f}", num_embeddings=n, embedding_dim=DIM, feature_names=[f]),
+        max_ids_per_partition=limit, max_unique_ids_per_partition=limit)
+        for f, n in zip(schema.SPARSE_NAMES, sizes)]
+    torch.manual_seed(seed)
+    ebc = sparsecore.SparseCoreEmbeddingBagCollection(tables, embedding_optimizer, device="tpu")
+    model = DLRMTrain(DLRM(ebc, schema.NUM_DENSE, [16, DIM], [16, 1]).to("tpu"))
+    return model, torch.optim.Adam(dense_parameters(model.model), lr=0.01)
+
+
+def schedulers(model):
+    """An LR schedule on the fused optimizer: every step changes the lr the next update uses."""
+    return torch.optim.lr_scheduler.StepLR(model.model.sparse_arch.embedding_bag_collection.fused_optimizer,
+                                           step_size=1, gamma=0.7)
+
+
+def plain_loop(model, opt, batches, scheduler):
+    losses = []
+    for batch in batches:
+        loss, _ = model(batch.to("tpu"))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+def pipelined(model, opt, batches, scheduler, trace=None):
+    pipeline = sparsecore.TrainPipeline(model, opt, "tpu", trace=trace)
+    it = iter(batches)
+    losses = []
+    while True:
+        try:
+            loss, _, _ = pipeline.progress(it)
+        except StopIteration:
+            break
+        scheduler.step()
+        losses.append(loss.item())
+    return losses, pipeline
+
+
+def assert_same_state(a, b):
+    for key, value in a.state_dict().items():
+        torch.testing.assert_close(b.state_dict()[key].cpu(), value.cpu(), rtol=0, atol=0, msg=key)
+    ebc_a = a.model.sparse_arch.embedding_bag_collection
+    ebc_b = b.model.sparse_arch.embedding_bag_collection
+    sa, sb = ebc_a.fused_optimizer.state_dict()["state"], ebc_b.fused_optimizer.state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        for name in sa[key]:
+            torch.testing.assert_close(sb[key][name].cpu(), sa[key][name].cpu(), rtol=0, atol=0, msg=f"{key}.{name}")
+
+
+@pytest.mark.parametrize("optimizer", [sparsecore.optim.RowWiseAdagrad(lr=0.1), sparsecore.optim.Adam(lr=0.01)],
+                         ids=["rowwise_adagrad", "adam"])
+def test_pipeline_trains_exactly_as_the_plain_loop(optimizer):
+    batches, sizes = loader()
+    ref, ref_opt = build(sizes, optimizer)
+    ours, ours_opt = build(sizes, optimizer)
+    expected = plain_loop(ref, ref_opt, batches, schedulers(ref))
+    trace = StageTrace()
+    got, _ = pipelined(ours, ours_opt, batches, schedulers(ours), trace)
+    assert len(got) == STEPS
+    assert got == expected
+    assert_same_state(ref, ours)
+    for key, value in ref_opt.state_dict()["state"].items():
+        for name, tensor in value.items():
+            torch.testing.assert_close(ours_opt.state_dict()["state"][key][name].cpu(), tensor.cpu(), rtol=0, atol=0)
+    # The sparse work ran where the pipeline puts it: every update and lookup on the executor.
+    stages = {(i.lane, i.stage) for i in trace.intervals}
+    assert {("sparsecore", "sparse update"), ("sparsecore", "lookup"), ("main", "backward")} <= stages
+    assert sum(1 for i in trace.intervals if i.stage == "sparse update") == STEPS
+
+
+def test_an_lr_change_after_progress_does_not_reach_the_queued_update():
+    """The update of step i, still queued when progress returns, uses step i's learning rate."""
+    batches, sizes = loader()
+    ref, ref_opt = build(sizes, sparsecore.optim.SGD(lr=0.5))
+    ours, ours_opt = build(sizes, sparsecore.optim.SGD(lr=0.5))
+    expected = plain_loop(ref, ref_opt, batches[:4], schedulers(ref))
+    pipeline = sparsecore.TrainPipeline(ours, ours_opt, "tpu")
+    scheduler = schedulers(ours)
+    executor = executor_for("tpu")
+    it = iter(batches[:4])
+    got = []
+    for step in range(4):
+        gate = threading.Event()
+        if step:  # (step 0 looks its batch up after the gate: it would wait for it)
+            executor.submit(gate.wait, 10)  # holds back what this step queues: its update runs after the lr change
+        loss, _, _ = pipeline.progress(it)
+        scheduler.step()
+        gate.set()
+        got.append(loss.item())
+    assert got == expected
+    assert_same_state(ref, ours)
+
+
+def test_pipeline_takes_batches_preprocessed_by_the_loader():
+    probe, _ = build(loader()[1], sparsecore.optim.SGD(lr=0.1))
+    preprocessor = probe.model.sparse_arch.embedding_bag_collection.preprocessor()
+    batches, sizes = loader(preprocessor)
+    assert isinstance(batches[0].sparse, sparsecore.PreprocessedBatch)
+    ref, ref_opt = build(sizes, sparsecore.optim.SGD(lr=0.1))
+    ours, ours_opt = build(sizes, sparsecore.optim.SGD(lr=0.1))
+    assert pipelined(ours, ours_opt, batches, schedulers(ours))[0] == plain_loop(ref, ref_opt, batches, schedulers(ref))
+    assert_same_state(ref, ours)
+
+
+def test_stop_iteration_and_a_new_iterator_restarts():
+    batches, sizes = loader()
+    model, opt = build(sizes, sparsecore.optim.SGD(lr=0.1))
+    pipeline = sparsecore.TrainPipeline(model, opt, "tpu")
+    first = iter(batches[:3])
+    outputs = [pipeline.progress(first) for _ in range(3)]
+    assert [len(o[1]) for o in outputs] == [BATCH] * 3
+    with pytest.raises(StopIteration):
+        pipeline.progress(first)
+    with pytest.raises(StopIteration):
+        pipeline.progress(first)
+    pipeline.progress(iter(batches[3:4]))  # a new iterator: starts again
+
+
+def test_reading_weights_waits_for_the_deferred_update():
+    batches, sizes = loader()
+    model, opt = build(sizes, sparsecore.optim.SGD(lr=0.5))
+    ebc = model.model.sparse_arch.embedding_bag_collection
+    before = ebc.state_dict()
+    pipeline = sparsecore.TrainPipeline(model, opt, "tpu")
+    pipeline.progress(itertools.chain(batches[:1]))
+    after = ebc.state_dict()  # no explicit synchronize: the read waits for the queued update
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert changed, "the step's update is not visible to a reader"
+
+
+def test_bad_models_and_batches_are_named():
+    with pytest.raises(ValueError, match="no SparseCore embedding collection"):
+        sparsecore.TrainPipeline(torch.nn.Linear(2, 2), torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1),
+                                 "tpu")
+    batches, sizes = loader()
+    model, opt = build(sizes, sparsecore.optim.SGD(lr=0.1))
+    pipeline = sparsecore.TrainPipeline(model, opt, "tpu")
+    with pytest.raises(TypeError, match="sparse features of a tuple"):
+        pipeline.progress(iter([(1, 2)]))
