@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import sparsecore.distributed
+import sparsecore.distributed.checkpoint
 from sparsecore import SparseCoreEmbeddingBagCollection
 
 logger = logging.getLogger(__name__)
@@ -104,3 +105,34 @@ def gather(tensor: torch.Tensor) -> torch.Tensor:
     parts = [tensor.new_empty(int(s), *tensor.shape[1:]) for s in sizes]
     dist.all_gather(parts, tensor)
     return torch.cat(parts)
+
+
+DENSE_PARTS = ("dense_arch", "inter_arch", "over_arch")
+
+
+def checkpoint_state(model: torch.nn.Module, dense_optimizer: torch.optim.Optimizer) -> dict:
+    """What a sharded run checkpoints (torch.distributed.checkpoint): the embedding tables and
+    their optimizer state as plan-independent row blocks (sparsecore.distributed.checkpoint),
+    the dense arch (replicated under DDP, DTensors under FSDP2) and its optimizer's state."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    unwrapped = model.module if isinstance(model, DistributedDataParallel) else model
+    ebc = unwrapped.sparse_arch.embedding_bag_collection
+    dense = {f"{part}.{key}": value for part in DENSE_PARTS
+             for key, value in getattr(unwrapped, part).state_dict().items()}
+    return {"embeddings": sparsecore.distributed.checkpoint.state_dict(ebc), "dense": dense,
+            "dense_optimizer": get_optimizer_state_dict(model, dense_optimizer)}
+
+
+def load_checkpoint_state(model: torch.nn.Module, dense_optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Takes a ``checkpoint_state`` that torch.distributed.checkpoint filled."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    unwrapped = model.module if isinstance(model, DistributedDataParallel) else model
+    sparsecore.distributed.checkpoint.load_state_dict(unwrapped.sparse_arch.embedding_bag_collection,
+                                                      state["embeddings"])
+    for part in DENSE_PARTS:
+        prefix = f"{part}."
+        getattr(unwrapped, part).load_state_dict(
+            {k[len(prefix):]: v for k, v in state["dense"].items() if k.startswith(prefix)})
+    set_optimizer_state_dict(model, dense_optimizer, state["dense_optimizer"])

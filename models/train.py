@@ -102,6 +102,10 @@ class TrainConfig:
     """Under torchrun: a sharding plan (JSON, sparsecore.distributed.ShardingPlan); default: the default plan."""
     dense_parallel: str = "ddp"
     """Under torchrun: ``ddp`` (replicated dense arch) or ``fsdp2`` (fully_shard over its parts)."""
+    limits: str | None = None
+    """A ``sparsecore_limits.json`` an earlier run wrote: its observed SparseCore id maxima
+    (times ``limits_headroom``) become the tables' partition limits."""
+    limits_headroom: float = 1.25
     pipeline: str = "exact"
     """``exact``: sparsecore.TrainPipeline (SparseCore and TensorCore work overlapped, same numbers);
     ``none``: the plain loop (forward, backward, step per batch)."""
@@ -129,7 +133,7 @@ class TrainConfig:
         fixed = dataclasses.asdict(self)
         for key in ("epochs", "steps", "eval_interval", "eval_batches", "num_workers", "checkpoint_dir",
                     "checkpoint_interval", "resume", "metrics_file", "progress", "plan", "dense_parallel",
-                    "pipeline"):
+                    "pipeline", "limits", "limits_headroom"):
             fixed.pop(key)
         return fixed
 
@@ -194,6 +198,8 @@ def build_model(cfg: TrainConfig, data: Data, device: torch.device) -> torch.nn.
             max_ids_per_partition=limit, max_unique_ids_per_partition=limit)
         for name, rows in zip(schema.SPARSE_NAMES, data.table_sizes)
     ]
+    if cfg.limits:
+        tables = sparsecore.with_observed_limits(tables, read_limits(Path(cfg.limits)), cfg.limits_headroom)
     torch.manual_seed(cfg.seed)  # the tables' init_fn draws from the device's generator
     ebc = sparsecore.SparseCoreEmbeddingBagCollection(
         tables, EMBEDDING_OPTIMIZERS[cfg.embedding_optimizer](cfg.embedding_lr), device=device)
@@ -204,6 +210,27 @@ def build_model(cfg: TrainConfig, data: Data, device: torch.device) -> torch.nn.
     model = DLRM(*args) if cfg.model == "dlrm" else DLRM_DCN(*args, dcn_num_layers=cfg.dcn_layers,
                                                               dcn_low_rank_dim=cfg.dcn_rank)
     return model.to(device)
+
+
+LIMITS_FILENAME = "sparsecore_limits.json"
+LIMITS_FORMAT = "torch_tpu.sparsecore-limits.v1"
+
+
+def read_limits(path: Path) -> dict[str, dict[str, int]]:
+    """The per-table observed maxima of a ``sparsecore_limits.json``."""
+    try:
+        payload = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--limits {path}: not a readable limits file ({error})") from error
+    if not isinstance(payload, dict) or payload.get("format") != LIMITS_FORMAT:
+        raise ValueError(f"--limits {path}: not a {LIMITS_FORMAT} file (written by models.train as {LIMITS_FILENAME})")
+    return payload["tables"]
+
+
+def write_limits(path: Path, observed: dict[str, dict[str, int]], cfg: TrainConfig, world_size: int) -> None:
+    text = json.dumps({"format": LIMITS_FORMAT, "world_size": world_size, "plan": cfg.plan,
+                       "batch_size": cfg.batch_size, "tables": observed}, indent=1)
+    checkpoint.write_atomically(path, lambda f: f.write(text.encode()))
 
 
 def dense_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -247,9 +274,6 @@ class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.rank, self.world_size = distributed.world_from_env()
-        if self.world_size > 1 and cfg.checkpoint_dir:
-            raise ValueError("checkpoints of a sharded run are not supported yet (distributed checkpointing is "
-                             "to come); run without --checkpoint-dir")
         self.device = torch.device(cfg.device)
         self.data = build_data(cfg)
         self.model = build_model(cfg, self.data, self.device)
@@ -278,7 +302,9 @@ class Trainer:
         per_epoch = len(self.train_loader)
         self.total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * per_epoch
         self.step = 0
-        self.checkpoint_path = Path(cfg.checkpoint_dir) / checkpoint.FILENAME if cfg.checkpoint_dir else None
+        # Several ranks: a torch.distributed.checkpoint directory, every rank writing its part.
+        name = checkpoint.SHARDED_DIRNAME if self.world_size > 1 else checkpoint.FILENAME
+        self.checkpoint_path = Path(cfg.checkpoint_dir) / name if cfg.checkpoint_dir else None
         metrics = cfg.metrics_file or (str(Path(cfg.checkpoint_dir) / "metrics.jsonl") if cfg.checkpoint_dir else None)
         self.metrics_path = Path(metrics) if metrics else None
         self.losses: list[float] = []
@@ -294,6 +320,11 @@ class Trainer:
     def _save(self) -> None:
         if self.checkpoint_path is None:
             return
+        if self.world_size > 1:
+            checkpoint.save_sharded(self.checkpoint_path, distributed.checkpoint_state(self.model, self.dense_opt),
+                                    {"config": self.cfg.comparable(), "step": self.step})
+            logger.info("checkpoint at step %d: %s", self.step, self.checkpoint_path)
+            return
         checkpoint.save(self.checkpoint_path, {
             "config": self.cfg.comparable(),
             "step": self.step,
@@ -303,14 +334,29 @@ class Trainer:
         })
         logger.info("checkpoint at step %d: %s", self.step, self.checkpoint_path)
 
-    def _restore(self) -> None:
-        payload = checkpoint.load(self.checkpoint_path)
+    def _check_config(self, saved: dict[str, Any]) -> None:
         ours = self.cfg.comparable()
-        if payload["config"] != ours:
-            changed = sorted(k for k in ours if payload["config"].get(k) != ours[k])
+        if self.world_size > 1:  # the sharded checkpoint's config went through JSON (tuples became lists)
+            ours = json.loads(json.dumps(ours))
+        if saved != ours:
+            changed = sorted(k for k in ours if saved.get(k) != ours[k])
             raise checkpoint.CheckpointError(
                 f"{self.checkpoint_path} was written by a run with different settings ({', '.join(changed)}); "
                 "resume with the same settings or use another --checkpoint-dir")
+
+    def _restore(self) -> None:
+        if self.world_size > 1:
+            # Any world size and plan: the tables are saved as plan-independent row blocks.
+            meta = checkpoint.sharded_meta(self.checkpoint_path)
+            self._check_config(meta["config"])
+            state = distributed.checkpoint_state(self.model, self.dense_opt)
+            checkpoint.load_sharded(self.checkpoint_path, state)
+            distributed.load_checkpoint_state(self.model, self.dense_opt, state)
+            self.step = int(meta["step"])
+            logger.info("resumed from %s at step %d", self.checkpoint_path, self.step)
+            return
+        payload = checkpoint.load(self.checkpoint_path)
+        self._check_config(payload["config"])
         self.model.load_state_dict(payload["model"])
         self.ebc.fused_optimizer.load_state_dict(payload["embedding_optimizer"])
         self.dense_opt.load_state_dict(payload["dense_optimizer"])
@@ -399,6 +445,12 @@ class Trainer:
         if self.pipeline is not None:
             self.pipeline.synchronize()
         bar.close()
+        # The most ids any SparseCore partition carried (all-reduced over the ranks), saved
+        # with the run: --limits seeds a later run's partition limits from it.
+        summary["observed_limits"] = self.ebc.observed_limits()
+        if self.metrics_path is not None and self.rank == 0:
+            write_limits(self.metrics_path.parent / LIMITS_FILENAME, summary["observed_limits"], cfg,
+                         self.world_size)
         summary.update({"steps": self.step, "interrupted": interrupted, "train_seconds": train_time,
                         "samples_per_s": samples / train_time if train_time > 0 else 0.0})
         if self.device.type == "tpu":
@@ -458,6 +510,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--plan", default=None, help="under torchrun: a sharding plan JSON (default: the default plan)")
     p.add_argument("--dense-parallel", choices=["ddp", "fsdp2"], default=defaults.dense_parallel,
                    help="under torchrun: DDP or FSDP2 over the dense arch")
+    p.add_argument("--limits", default=None,
+                   help=f"an earlier run's {LIMITS_FILENAME}: its observed id maxima set the partition limits")
+    p.add_argument("--limits-headroom", type=float, default=defaults.limits_headroom,
+                   help="factor on the observed maxima (--limits)")
     p.add_argument("--pipeline", choices=["exact", "none"], default=defaults.pipeline,
                    help="exact: sparsecore.TrainPipeline (overlapped, same numbers); none: the plain loop")
     a = p.parse_args(argv)
@@ -472,7 +528,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
             eval_interval=a.eval_interval, eval_batches=a.eval_batches, seed=a.seed, device=a.device,
             precision=a.precision, num_workers=a.num_workers, checkpoint_dir=a.checkpoint_dir,
             checkpoint_interval=a.checkpoint_interval, resume=a.resume, metrics_file=a.metrics_file,
-            progress=not a.no_progress, plan=a.plan, dense_parallel=a.dense_parallel, pipeline=a.pipeline)
+            progress=not a.no_progress, plan=a.plan, dense_parallel=a.dense_parallel, pipeline=a.pipeline,
+            limits=a.limits, limits_headroom=a.limits_headroom)
     except ValueError as error:
         p.error(str(error))
 

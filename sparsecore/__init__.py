@@ -8,7 +8,7 @@ per-SparseCore COO buffers (``preprocess``), C++ kernels for the lookup and
 the fused-optimizer backward (``sparsecore.optim``).
 """
 
-from sparsecore.config import SparseCoreEmbeddingConfig, as_sparsecore_config
+from sparsecore.config import SparseCoreEmbeddingConfig, as_sparsecore_config, with_observed_limits
 from sparsecore import optim
 from sparsecore.errors import ConfigError, InputError, PartitionLimitError, SparseCoreError
 from sparsecore.convert import from_torchrec, to_torchrec
@@ -44,4 +44,5 @@ __all__ = [
     "as_sparsecore_config",
     "plan_stacks",
     "preprocess_stacks",
+    "with_observed_limits",
 ]

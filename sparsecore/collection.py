@@ -65,6 +65,7 @@ class SparseCoreCollection(nn.Module):
         self._stacks = plan_stacks(self._configs, n)
         self._allow_id_dropping = allow_id_dropping
         self._deferred_updates = False  # see set_deferred_updates
+        self._observed: dict[str, tuple[int, int]] = {}  # per stack: most (ids, unique ids) of a partition so far
         self._prefetched: tuple[object, concurrent.futures.Future] | None = None  # see prefetch
         self._weights = nn.ParameterDict()
         for stack in self._stacks:
@@ -239,10 +240,29 @@ class SparseCoreCollection(nn.Module):
         deferred = self._deferred_updates and self._device.type == "tpu"
         return functools.partial(fused_update, *state, deferred)
 
+    def _batch_of(self, features: KeyedJaggedTensor | PreprocessedBatch) -> PreprocessedBatch:
+        batch = features if isinstance(features, PreprocessedBatch) else self.preprocess(features)
+        for name, stats in batch.stats.items():
+            ids, unique = self._observed.get(name, (0, 0))
+            self._observed[name] = (max(ids, stats.max_ids_per_partition),
+                                    max(unique, stats.max_unique_ids_per_partition))
+        return batch
+
+    def observed_limits(self) -> dict[str, dict[str, int]]:
+        """Per table, the most ids and distinct ids any SparseCore partition carried in a
+        batch so far (its stack's: stacked tables share partitions), to seed the limits
+        (``max_ids_per_partition``, ``max_unique_ids_per_partition``) of a later run."""
+        out = {}
+        for stack in self._stacks:
+            ids, unique = self._observed.get(stack.name, (0, 0))
+            for t in stack.tables:
+                out[t.name] = {"max_ids_per_partition": ids, "max_unique_ids_per_partition": unique}
+        return {t.name: out[t.name] for t in self._configs}
+
     def _detached_lookups(self, features: KeyedJaggedTensor | PreprocessedBatch) -> tuple[PreprocessedBatch, dict]:
         """Preprocessing and the lookup kernels without autograd (what the executor runs):
         the batch and, per stack, (rows, coo on the device)."""
-        batch = features if isinstance(features, PreprocessedBatch) else self.preprocess(features)
+        batch = self._batch_of(features)
         out = {}
         with torch.no_grad():
             for stack in self._stacks:
@@ -340,7 +360,7 @@ class SparseCoreCollection(nn.Module):
         return None
 
     def _lookup_all(self, features: KeyedJaggedTensor | PreprocessedBatch) -> tuple[PreprocessedBatch, dict[str, torch.Tensor]]:
-        batch = features if isinstance(features, PreprocessedBatch) else self.preprocess(features)
+        batch = self._batch_of(features)
         return batch, {stack.name: self._lookup(stack, batch.stacks[stack.name]) for stack in self._stacks}
 
 

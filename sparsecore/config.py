@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import math
 import dataclasses
 from typing import Any, Literal
 
@@ -146,3 +147,26 @@ def as_sparsecore_config(config: SparseCoreEmbeddingConfig | TorchRecConfig) -> 
     if isinstance(config, SparseCoreEmbeddingConfig):
         return config
     return SparseCoreEmbeddingConfig(config=config)
+
+
+def with_observed_limits(tables: list[SparseCoreEmbeddingConfig], observed: dict[str, dict[str, int]],
+                         headroom: float = 1.25) -> list[SparseCoreEmbeddingConfig]:
+    """The tables with their partition limits taken from ``observed`` (a module's
+    ``observed_limits()`` from an earlier run, e.g. read back from its JSON) times
+    ``headroom``, rounded up; tables it does not name keep their limits."""
+    if headroom < 1.0:
+        raise ValueError(f"headroom {headroom}: expected >= 1.0 (below the observed maxima, batches like the "
+                         "observed ones would exceed the limits)")
+    unknown = sorted(set(observed) - {t.name for t in tables})
+    if unknown:
+        raise ValueError(f"limits for unknown tables {unknown}; the tables are {[t.name for t in tables]}")
+    out = []
+    for t in tables:
+        seen = observed.get(t.name)
+        if seen is None:
+            out.append(t)
+            continue
+        ids = max(1, math.ceil(int(seen["max_ids_per_partition"]) * headroom))
+        unique = min(ids, max(1, math.ceil(int(seen["max_unique_ids_per_partition"]) * headroom)))
+        out.append(dataclasses.replace(t, max_ids_per_partition=ids, max_unique_ids_per_partition=unique))
+    return out

@@ -211,6 +211,22 @@ class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
             prepared.set_result(self._input_dist(features))
         self._prefetched = (features, self._start_lookups(features, prepared))
 
+    def observed_limits(self) -> dict[str, dict[str, int]]:
+        """Per table, the most ids and distinct ids any SparseCore partition of any rank
+        carried in a batch so far (the max over its shards, all-reduced over the group:
+        collective, every rank calls it), to seed a later run's limits under this plan."""
+        local = {c.name: [0, 0] for c in self._configs}
+        shard_tables = {s.local_table: s.table for s in self._layout.local[self._rank]}
+        for engine in self._engines():
+            for name, seen in engine.observed_limits().items():
+                table = local[shard_tables.get(name, name)]
+                table[0] = max(table[0], seen["max_ids_per_partition"])
+                table[1] = max(table[1], seen["max_unique_ids_per_partition"])
+        maxima = torch.tensor([local[c.name] for c in self._configs], dtype=torch.int64)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self._group)
+        return {c.name: {"max_ids_per_partition": int(ids), "max_unique_ids_per_partition": int(unique)}
+                for c, (ids, unique) in zip(self._configs, maxima.tolist())}
+
     def _engines(self) -> list[SparseCoreEmbeddingBagCollection]:
         return [e for e in (self.engine, self.replicas) if e is not None]
 

@@ -66,3 +66,32 @@ def test_two_ranks_train_as_one_process(kind, tmp_path, single_process):
     for got, want in zip(sharded, expected):
         for key in ("train_loss", "val_auc", "val_log_loss"):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (kind, got["step"], key)
+
+
+def test_observed_limits_are_the_maxima_over_ranks_and_seed_the_next_run(tmp_path):
+    """Saved once (rank 0) with the maxima over both ranks: seeded at exactly those, the same
+    sharded run fits on every rank (a rank-local maximum could be too small on the other one)."""
+    plan("row_wise").save(tmp_path / "plan.json")
+    first = run(["--plan", str(tmp_path / "plan.json")], tmp_path / "first" / "metrics.jsonl", 2)
+    saved = json.loads((tmp_path / "first" / "sparsecore_limits.json").read_text())
+    assert saved["world_size"] == 2 and set(saved["tables"]) == set(TABLES)
+    assert all(v["max_ids_per_partition"] > 0 for v in saved["tables"].values())
+    again = run(["--plan", str(tmp_path / "plan.json"), "--limits", str(tmp_path / "first" / "sparsecore_limits.json"),
+                 "--limits-headroom", "1.0"], tmp_path / "again" / "metrics.jsonl", 2)
+    assert [m["train_loss"] for m in again] == [m["train_loss"] for m in first]
+
+
+@pytest.mark.parametrize("dense", ["ddp", "fsdp2"])
+def test_sharded_run_checkpoints_and_resumes_exactly(dense, tmp_path, single_process):
+    """Stopped after step 2 (a torch.distributed.checkpoint directory) and resumed under another plan:
+    step 4 is the uninterrupted single-process run's."""
+    plan("row_wise").save(tmp_path / "first.json")
+    plan("table_wise").save(tmp_path / "second.json")
+    common = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-interval", "2", "--dense-parallel", dense]
+    run([*common, "--plan", str(tmp_path / "first.json"), "--steps", "2"], tmp_path / "a.jsonl", 2)
+    assert (tmp_path / "ckpt" / "checkpoint.dcp" / "meta.json").is_file()
+    assert not list((tmp_path / "ckpt").glob(".checkpoint.dcp.*"))  # nothing left of the swap
+    resumed = run([*common, "--plan", str(tmp_path / "second.json"), "--resume"], tmp_path / "b.jsonl", 2)
+    assert [m["step"] for m in resumed] == [4]
+    for key in ("train_loss", "val_auc", "val_log_loss"):
+        assert resumed[0][key] == pytest.approx(single_process[1][key], rel=1e-5, abs=1e-6), key

@@ -24,7 +24,8 @@ from data import schema
 from data.synthetic import SyntheticConfig, SyntheticCriteo
 from models import checkpoint
 from models.evaluation import evaluate
-from models.train import RowRange, TrainConfig, Trainer, build_data, build_model, main, parse_args, train
+from models.train import LIMITS_FILENAME, RowRange, TrainConfig, Trainer, build_data, build_model, main, parse_args, train
+from sparsecore.errors import PartitionLimitError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -324,6 +325,50 @@ def test_save_writes_tpu_tensors_readable_on_the_host(tmp_path):
     assert loaded["format"] == checkpoint.FORMAT and loaded["step"] == 5
     assert loaded["model"]["w"].device.type == "cpu"
     assert torch.equal(loaded["model"]["w"], weight.cpu())
+
+
+def test_sharded_checkpoint_meta_survives_a_crashed_swap(tmp_path):
+    """save_sharded moves the old directory aside before renaming the new one in: a crash
+    between the two leaves only the old one, which a resume still finds."""
+    path = tmp_path / checkpoint.SHARDED_DIRNAME
+    with pytest.raises(checkpoint.CheckpointError, match="no sharded checkpoint"):
+        checkpoint.sharded_meta(path)
+    aside = tmp_path / f".{checkpoint.SHARDED_DIRNAME}.old"
+    aside.mkdir()
+    (aside / checkpoint.META_FILENAME).write_text(json.dumps({"format": checkpoint.FORMAT, "step": 7}))
+    assert checkpoint.sharded_meta(path)["step"] == 7
+    path.mkdir()
+    (path / checkpoint.META_FILENAME).write_text("{not json")
+    with pytest.raises(checkpoint.CheckpointError, match="not readable"):
+        checkpoint.sharded_meta(path)
+
+
+# ---------------------------------------------------------------- observed SparseCore limits
+
+
+def test_run_saves_observed_limits_that_seed_the_next_run(tmp_path):
+    first = Trainer(small(steps=6, eval_batches=2, metrics_file=str(tmp_path / "a" / "metrics.jsonl")))
+    summary = first.run()
+    path = tmp_path / "a" / LIMITS_FILENAME
+    saved = json.loads(path.read_text())
+    assert saved["tables"] == summary["observed_limits"] == first.ebc.observed_limits()
+    assert set(saved["tables"]) == {f"t_{n}" for n in schema.SPARSE_NAMES}
+    assert all(v["max_ids_per_partition"] >= v["max_unique_ids_per_partition"] > 0 for v in saved["tables"].values())
+    # Seeded at exactly the observed maxima, the same run fits, and trains the same.
+    again = Trainer(small(steps=6, eval_batches=2, limits=str(path), limits_headroom=1.0))
+    for t in again.ebc._configs:
+        assert t.max_ids_per_partition == saved["tables"][t.name]["max_ids_per_partition"]
+    again.run()
+    assert again.losses == first.losses
+    # Below them, the first batch that needs more says so.
+    tight = {"format": saved["format"], "tables": {t: {k: max(1, v // 2) for k, v in seen.items()}
+                                                   for t, seen in saved["tables"].items()}}
+    (tmp_path / "tight.json").write_text(json.dumps(tight))
+    with pytest.raises(PartitionLimitError, match="max_ids_per_partition|max_unique_ids_per_partition"):
+        Trainer(small(steps=2, limits=str(tmp_path / "tight.json"), limits_headroom=1.0)).run()
+    (tmp_path / "junk.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a torch_tpu.sparsecore-limits.v1 file"):
+        Trainer(small(steps=2, limits=str(tmp_path / "junk.json")))
 
 
 # ---------------------------------------------------------------- metrics
