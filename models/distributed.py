@@ -65,7 +65,8 @@ def data_parallel(model: torch.nn.Module) -> DistributedDataParallel:
     sharded = [name for name, _ in model.named_parameters() if name.startswith("sparse_arch.")]
     sharded += [name for name, _ in model.named_buffers() if name.startswith("sparse_arch.")]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, sharded)
-    ddp = DistributedDataParallel(model)
+    # No buffer broadcast each forward: the model's buffers are constant index tables.
+    ddp = DistributedDataParallel(model, broadcast_buffers=False)
     ddp.register_comm_hook(None, _sum_gradients)
     return ddp
 

@@ -39,10 +39,26 @@ class _SparseCoreForward:
         return self.over_arch(interacted)
 
 
+class _Gram(torch.autograd.Function):
+    """``x @ x^T`` per sample, whose backward is one batched matmul, ``(g + g^T) @ x``,
+    where autograd's own (x and x^T as two operands) takes two and adds them."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return torch.bmm(x, x.transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return torch.bmm(grad + grad.transpose(1, 2), x)
+
+
 class DotInteraction(torchrec_dlrm.InteractionArch):
     """TorchRec's dot interaction, with the upper triangle taken by one flat
     ``index_select`` (its backward one ``index_add``) instead of two-tensor
-    advanced indexing, whose backward is a slower accumulating index_put."""
+    advanced indexing, whose backward is a slower accumulating index_put, and
+    the Gram matrix's backward in one batched matmul instead of two (_Gram)."""
 
     def __init__(self, num_sparse_features: int) -> None:
         super().__init__(num_sparse_features)
@@ -53,7 +69,7 @@ class DotInteraction(torchrec_dlrm.InteractionArch):
         if self.F <= 0:
             return dense_features
         combined = torch.cat((dense_features.unsqueeze(1), sparse_features), dim=1)
-        interactions = torch.bmm(combined, combined.transpose(1, 2)).flatten(1)
+        interactions = _Gram.apply(combined).flatten(1)
         return torch.cat((dense_features, interactions.index_select(1, self.flat_triu)), dim=1)
 
 

@@ -33,6 +33,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConf
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from sparsecore.collection import SparseCoreCollection
+from sparsecore.fused import fused_update
 from sparsecore.preprocess import PreprocessedBatch
 
 
@@ -60,6 +61,19 @@ class SparseCoreEmbeddingBagCollection(SparseCoreCollection):
         keys = [f for t in self._configs for f in t.feature_names]
         dims = [t.embedding_dim for t in self._configs for _ in t.feature_names]
         return KeyedTensor(keys=keys, length_per_key=dims, values=values)
+
+    def _apply_gradient(self, coos: dict[str, tuple], grad: torch.Tensor, hyper: torch.Tensor) -> None:
+        """The fused updates, in the calling thread, of a batch looked up without autograd
+        (``_detached_lookups``, whose per-stack device COO ``coos`` are), given the gradient of
+        its (B, features x dim) output and the hyperparameters to step with."""
+        if self._column_order is not None:
+            grad = grad.index_select(1, torch.argsort(self._column_order).to(grad.device))
+        widths = [len(s.feature_names) * s.embedding_dim for s in self._stacks]
+        for stack, part in zip(self._stacks, grad.split(widths, dim=1)):
+            # (B, F x D) is the stack's (bags, D) output viewed, bag f * B + b at row b * F + f.
+            fused_update(self._weights[stack.name], list(self._optimizer_state[stack.name].values()),
+                         self._steps[stack.name], hyper, coos[stack.name], self._optimizer.kernel_code, False,
+                         part.contiguous().view(-1, stack.embedding_dim))
 
     @property
     def _column_order(self) -> torch.Tensor | None:

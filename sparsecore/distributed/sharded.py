@@ -81,8 +81,10 @@ class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
             self._share_row_statistics()
         self._input_dist = InputDist(self._layout, self._rank, process_group)
         self._output_dist = OutputDist(self._layout.output_gathers(),
-                                       [self._layout.local_width(r) for r in range(world)], process_group, self._rank)
+                                       [self._layout.local_width(r) for r in range(world)], process_group, self._rank,
+                                       sum(len(c.feature_names) * c.embedding_dim for c in self._layout.replicated))
         self._ahead: tuple[concurrent.futures.ThreadPoolExecutor, InputDist] | None = None  # see prepare
+        self._output_group: dist.ProcessGroup | None = None  # see set_deferred_updates
         self._prefetched: tuple[KeyedJaggedTensor, Pending] | None = None
         self._keys = [f for c in self._configs for f in c.feature_names]
         self._dims = [c.embedding_dim for c in self._configs for _ in c.feature_names]
@@ -141,16 +143,28 @@ class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
             replicated = self.replicas._detached_lookups(KeyedJaggedTensor.from_jt_dict(own))
         return shards, replicated
 
-    def _attached(self, looked_up: tuple, batch_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The lookups joined to the autograd graph, in the calling thread: (pooled, replicated)."""
+    def _attached(self, looked_up: tuple, batch_size: int) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
+        """The lookups joined to the autograd graph, in the calling thread: (pooled, replicated,
+        deferred). With the output exchange's backward deferred, the shards' rows stay off the
+        graph: ``deferred`` (for OutputDist) runs their updates after that exchange."""
         shards, replicated = looked_up
-        if shards is not None:
-            pooled = self.engine._assemble(shards[0], self.engine._attach(*shards)).values()
-        else:
+        exchange_deferred = self._output_group is not None and torch.is_grad_enabled()
+        deferred = None
+        if shards is None:
             pooled = torch.zeros(batch_size, 0, device=self._device)
+        elif exchange_deferred and self.engine._optimizer is not None:
+            batch, looked = shards
+            pooled = self.engine._assemble(batch, {name: rows for name, (rows, _) in looked.items()}).values()
+            take = functools.partial(self.engine._apply_gradient, {name: coo for name, (_, coo) in looked.items()})
+            deferred = (executor_for(self._device), take, self.engine._hyper.clone)
+        else:
+            pooled = self.engine._assemble(shards[0], self.engine._attach(*shards)).values()
+        if exchange_deferred and deferred is None:
+            # Nothing to update here, but the backward's exchange must run where the peers' runs.
+            deferred = (executor_for(self._device), _no_update, _none)
         if replicated is not None:
             replicated = self.replicas._assemble(replicated[0], self.replicas._attach(*replicated)).values()
-        return pooled, replicated
+        return pooled, replicated, deferred
 
     def bytes_sent(self) -> dict[str, int]:
         """Bytes this rank has sent to other ranks so far: ids (input) and pooled rows with
@@ -182,8 +196,8 @@ class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
 
         def finish(result) -> KeyedTensor:
             local_batch, batch_sizes = distributed.result()
-            pooled, replicated = self._attached(result, local_batch.stride())
-            values = self._output_dist(pooled, batch_sizes, self._rank, replicated)
+            pooled, replicated, deferred = self._attached(result, local_batch.stride())
+            values = self._output_dist(pooled, batch_sizes, self._rank, replicated, deferred)
             return KeyedTensor(keys=self._keys, length_per_key=self._dims, values=values)
 
         return Pending(looked_up, finish)
@@ -231,9 +245,22 @@ class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
         return [e for e in (self.engine, self.replicas) if e is not None]
 
     def set_deferred_updates(self, enabled: bool = True) -> None:
-        """See SparseCoreCollection.set_deferred_updates (the local engines')."""
+        """See SparseCoreCollection.set_deferred_updates (the local engines'). Sharded, the
+        backward's output exchange is deferred too: it runs on the SparseCore executor, then
+        the shards' updates, while the dense backward goes on; the exchanges then use a
+        process group of their own (created by the first call, which every rank must make
+        at the same point, as TrainPipeline does). Not where the shards' updates exchange
+        rows themselves (column-wise row-wise Adagrad): those collectives stay in the
+        backward's order."""
         for engine in self._engines():
             engine.set_deferred_updates(enabled)
+        exchanging = self.engine is not None and bool(self.engine._row_exchanges)
+        if not enabled or exchanging or dist.get_world_size(self._group) == 1 or self._device.type != "tpu":
+            self._output_group, self._output_dist.group = None, self._group
+            return
+        if self._output_group is None:
+            self._output_group = dist.new_group(dist.get_process_group_ranks(self._group or dist.group.WORLD))
+        self._output_dist.group = self._output_group
 
     def wait_for_updates(self) -> None:
         for engine in self._engines():
@@ -296,3 +323,11 @@ def shard(module: SparseCoreEmbeddingBagCollection, plan: ShardingPlan | None = 
     if plan is None:
         plan = default_plan(module._configs, dist.get_world_size(process_group))
     return ShardedSparseCoreEmbeddingBagCollection(module, plan, process_group)
+
+
+def _no_update(grad: torch.Tensor, state: object) -> None:
+    """A rank without trained shards: the deferred exchange has nothing to update after it."""
+
+
+def _none() -> None:
+    return None

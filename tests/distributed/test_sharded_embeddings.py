@@ -239,3 +239,51 @@ def test_a_rank_failure_surfaces_as_an_error_not_a_hang():
     assert results[0].ok, results[0].error
     seconds, message = results[0].value.split("s ", 1)
     assert float(seconds) < 10 and ("closed" in message or "reset" in message), results[0].value
+
+
+def lr_after(step: int) -> float:
+    return 0.05 * 0.5 ** (step + 1)
+
+
+def train_deferred(rank: int, world: int, plan_json: str, optimizer) -> dict:
+    """As TrainPipeline runs it: updates (and the backward's output exchange) deferred onto the
+    executor; the learning rate changes after every backward while that work is held back."""
+    import threading
+
+    from sparsecore.executor import executor_for
+
+    module = shard(make_module(optimizer, "tpu"), ShardingPlan.from_json(plan_json))
+    module.set_deferred_updates(True)
+    executor = executor_for(module._device)
+    outputs = []
+    for step in range(STEPS):
+        out = module(kjt_of([local_batch(rank, step)]))
+        outputs.append(out.values().detach().cpu())
+        gate = threading.Event()
+        executor.submit(gate.wait, 10)
+        out.values().backward(output_grad(rank, step, out.values().shape[1]).to("tpu"))
+        module.fused_optimizer.param_groups[0]["lr"] = lr_after(step)
+        gate.set()
+    shards = [(s.table, s.rows, s.columns, s.weight.cpu(), {k: v.cpu() for k, v in s.state.items()})
+              for s in module.local_shards()]  # reading waits for the deferred work
+    return {"outputs": outputs, "shards": shards}
+
+
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise"])
+def test_deferred_updates_and_exchanges_train_as_unsharded(kind):
+    optimizer = optim.Adam(lr=0.05)
+    plan = plan_for(kind, 2)
+    results = assert_all_ok(run_ranks(train_deferred, 2, plan.to_json(), optimizer))
+    ref = make_module(optimizer, "cpu")
+    expected = []
+    for step in range(STEPS):
+        out = ref(kjt_of([local_batch(r, step) for r in range(2)]))
+        expected.append(out.values().detach())
+        out.values().backward(torch.cat([output_grad(r, step, out.values().shape[1]) for r in range(2)]))
+        ref.fused_optimizer.param_groups[0]["lr"] = lr_after(step)
+    for rank, result in enumerate(results):
+        start = 3 * rank
+        for step, out in enumerate(result["outputs"]):
+            assert_close(out, expected[step][start:start + 3 + rank], msg=lambda m: f"rank {rank} step {step}: {m}")
+        for table, rows, (first, width), weight, state in result["shards"]:
+            assert_close(weight, ref.table_weight(table)[rows][:, first:first + width], msg=lambda m: f"{table}: {m}")
