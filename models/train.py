@@ -443,7 +443,7 @@ class Trainer:
                     interrupted = True
                     break
         if self.pipeline is not None:
-            self.pipeline.synchronize()
+            self.pipeline.close()
         bar.close()
         # The most ids any SparseCore partition carried (all-reduced over the ranks), saved
         # with the run: --limits seeds a later run's partition limits from it.

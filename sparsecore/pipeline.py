@@ -33,11 +33,11 @@ import torch
 from torch import nn
 
 from sparsecore.collection import SparseCoreCollection
-from sparsecore.distributed.sharded import ShardedSparseCoreEmbeddingBagCollection
+from sparsecore.distributed.sharded import ShardedSparseCoreCollection
 from sparsecore.executor import executor_for
 from sparsecore.trace import StageTrace
 
-SparseModule = SparseCoreCollection | ShardedSparseCoreEmbeddingBagCollection
+SparseModule = SparseCoreCollection | ShardedSparseCoreCollection
 
 
 def sparse_modules(model: nn.Module) -> list[SparseModule]:
@@ -47,7 +47,7 @@ def sparse_modules(model: nn.Module) -> list[SparseModule]:
     for name, module in model.named_modules():
         if any(name.startswith(prefix + ".") for prefix in skip):
             continue
-        if isinstance(module, (SparseCoreCollection, ShardedSparseCoreEmbeddingBagCollection)):
+        if isinstance(module, (SparseCoreCollection, ShardedSparseCoreCollection)):
             found.append(module)
             skip.append(name)
     return found
@@ -167,6 +167,16 @@ class TrainPipeline:
                 prepared.result()
         for module in self.modules:
             module.wait_for_updates()
+
+
+    def close(self) -> None:
+        """Finishes the work in flight and stops the sharded modules' own threads; the
+        pipeline takes no more batches. Call it before destroying the process group."""
+        self.synchronize()
+        self._current, self._done = None, True
+        for module in self.modules:
+            if isinstance(module, ShardedSparseCoreCollection):
+                module.close()
 
 
 def _raise_update_errors(module: SparseModule) -> None:

@@ -1,6 +1,6 @@
 """Sharding SparseCore embedding collections over a process group (``tpu_dist``).
 
-``shard(module, plan)`` splits a module's tables over the ranks as a
+``shard(module, plan)`` splits a module's tables (pooled or sequence) over the ranks as a
 ``ShardingPlan`` says (table-wise, row-wise, column-wise, table-row-wise,
 data-parallel); ``default_plan`` makes one without a planner.
 """
@@ -17,7 +17,13 @@ from sparsecore.distributed.plan import (
     TableSharding,
     default_plan,
 )
-from sparsecore.distributed.sharded import LocalShard, ShardedSparseCoreEmbeddingBagCollection, shard
+from sparsecore.distributed.sharded import (
+    LocalShard,
+    ShardedSparseCoreCollection,
+    ShardedSparseCoreEmbeddingBagCollection,
+    shard,
+)
+from sparsecore.distributed.sequence import ShardedSparseCoreEmbeddingCollection
 
 __all__ = [
     "COLUMN_WISE",
@@ -28,7 +34,9 @@ __all__ = [
     "TABLE_WISE",
     "LocalShard",
     "PlanError",
+    "ShardedSparseCoreCollection",
     "ShardedSparseCoreEmbeddingBagCollection",
+    "ShardedSparseCoreEmbeddingCollection",
     "ShardingPlan",
     "TableSharding",
     "default_plan",

@@ -8,6 +8,8 @@ optimizer state as a DTensor of contiguous row blocks over the ranks
     embedding_bags.<table>.<state>         (num_embeddings, dim) or (num_embeddings,), e.g. momentum
     embedding_bags.<table>.step            the optimizer's step count (replicated)
 
+(``embeddings.`` for a sequence collection, as its state_dict).
+
 DCP reshards contiguous blocks by itself, so a checkpoint loads into any world
 size and any plan, and into an unsharded module as plain tensors
 (``unsharded_state_dict``), from which ``to_torchrec()`` serves on the CPU.
@@ -23,14 +25,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from sparsecore.distributed.sharded import LocalShard, ShardedSparseCoreEmbeddingBagCollection
-from sparsecore.modules import SparseCoreEmbeddingBagCollection
+from sparsecore.collection import SparseCoreCollection
+from sparsecore.distributed.sharded import LocalShard, ShardedSparseCoreCollection
 
-PREFIX = "embedding_bags"
-
-
-def _key(table: str, name: str) -> str:
-    return f"{PREFIX}.{table}.{name}"
+def _key(module, table: str, name: str) -> str:
+    return f"{module._weight_prefix}.{table}.{name}"
 
 
 def _block(rank: int, world: int, rows: int) -> tuple[int, int]:
@@ -42,7 +41,7 @@ def _block(rank: int, world: int, rows: int) -> tuple[int, int]:
 class _Pieces:
     """Which rows and columns of a table each rank holds, as every rank computes it."""
 
-    def __init__(self, module: ShardedSparseCoreEmbeddingBagCollection, table: str):
+    def __init__(self, module: ShardedSparseCoreCollection, table: str):
         layout = module._layout
         self.world = layout.world_size
         config = next(c for c in layout.configs if c.name == table)
@@ -167,7 +166,7 @@ def _mine(module) -> dict[str, list[LocalShard]]:
     return out
 
 
-def state_dict(module: ShardedSparseCoreEmbeddingBagCollection) -> dict[str, torch.Tensor]:
+def state_dict(module: ShardedSparseCoreCollection) -> dict[str, torch.Tensor]:
     """The module's tables and optimizer state as DTensors of row blocks (see the module docstring);
     pass it to ``dcp.save``, or fill it with ``dcp.load`` and hand it to ``load_state_dict``."""
     mesh = DeviceMesh.from_group(module._group or dist.group.WORLD, module._device.type)
@@ -178,45 +177,45 @@ def state_dict(module: ShardedSparseCoreEmbeddingBagCollection) -> dict[str, tor
         for name, block in blocks.items():
             shape = (c.num_embeddings, *block.shape[1:])
             stride = (block.shape[1], 1) if block.dim() == 2 else (1,)
-            out[_key(c.name, name)] = DTensor.from_local(block, mesh, [Shard(0)], run_check=False, shape=shape,
+            out[_key(module, c.name, name)] = DTensor.from_local(block, mesh, [Shard(0)], run_check=False, shape=shape,
                                                          stride=stride)
         if module._optimizer is not None:
-            out[_key(c.name, "step")] = module.step_count().clone()
+            out[_key(module, c.name, "step")] = module.step_count().clone()
     return out
 
 
-def load_state_dict(module: ShardedSparseCoreEmbeddingBagCollection, state: dict[str, torch.Tensor]) -> None:
+def load_state_dict(module: ShardedSparseCoreCollection, state: dict[str, torch.Tensor]) -> None:
     """Takes the state ``dcp.load`` filled (from ``state_dict(module)``) into the module's shards."""
     pieces = _mine(module)
     for c in module._layout.configs:
         mine = pieces[c.name]
         blocks = {}
         for name in _state_names(module):
-            value = state[_key(c.name, name)]
+            value = state[_key(module, c.name, name)]
             blocks[name] = value.to_local() if isinstance(value, DTensor) else value
         _from_blocks(module, c.name, mine, blocks)
         module.set_local_shards_of(c.name, mine)
         if module._optimizer is not None:
-            module.set_step_count(state[_key(c.name, "step")])
+            module.set_step_count(state[_key(module, c.name, "step")])
 
 
-def unsharded_state_dict(module: SparseCoreEmbeddingBagCollection) -> dict[str, torch.Tensor]:
+def unsharded_state_dict(module: SparseCoreCollection) -> dict[str, torch.Tensor]:
     """The same keys for an unsharded module, as plain (logical-order) tensors: ``dcp.load``
     fills them from a sharded checkpoint of any world size."""
     out = {}
     for c in module._configs:
-        out[_key(c.name, "weight")] = module.table_weight(c.name)
+        out[_key(module, c.name, "weight")] = module.table_weight(c.name)
         for name, value in module.table_optimizer_state(c.name).items():
-            out[_key(c.name, name)] = value
+            out[_key(module, c.name, name)] = value
         if module._optimizer is not None:
-            out[_key(c.name, "step")] = module._steps[module._stack_of(c.name).name].clone()
+            out[_key(module, c.name, "step")] = module._steps[module._stack_of(c.name).name].clone()
     return out
 
 
-def load_unsharded_state_dict(module: SparseCoreEmbeddingBagCollection, state: dict[str, torch.Tensor]) -> None:
+def load_unsharded_state_dict(module: SparseCoreCollection, state: dict[str, torch.Tensor]) -> None:
     for c in module._configs:
-        module.set_table_weight(c.name, state[_key(c.name, "weight")])
+        module.set_table_weight(c.name, state[_key(module, c.name, "weight")])
         for name in module.table_optimizer_state(c.name):
-            module.set_table_optimizer_state(c.name, name, state[_key(c.name, name)])
+            module.set_table_optimizer_state(c.name, name, state[_key(module, c.name, name)])
         if module._optimizer is not None:
-            module._steps[module._stack_of(c.name).name].copy_(state[_key(c.name, "step")])
+            module._steps[module._stack_of(c.name).name].copy_(state[_key(module, c.name, "step")])

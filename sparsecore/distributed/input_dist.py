@@ -57,7 +57,7 @@ class InputDist:
                             if any(s.rows is not None for s in layout.shards.get(c.name, ()))}
         self.local_features = layout.local_features(rank)
         # Weights travel when the batch has them or a row-sharded bag needs its gains.
-        self.gains_needed = any(self.combiners[f] != "sum" for f in self.row_sharded)
+        self.gains_needed = any(self.combiners[f] in ("mean", "sqrtn") for f in self.row_sharded)
         self.bytes_sent = 0
         """Bytes this rank sent to other ranks in all calls (counts, lengths, ids, weights)."""
 

@@ -88,16 +88,17 @@ class Shard:
 
     def local_config(self) -> SparseCoreEmbeddingConfig:
         """The engine's config of this shard. Row-sharded bags arrive partial, with their
-        gains (weight x combiner scale of the whole bag) as weights: they pool by plain sum."""
+        gains (weight x combiner scale of the whole bag) as weights: they pool by plain sum.
+        Sequence bags arrive already truncated to ``max_seq_len`` (by the sending rank)."""
         changes = dict(name=self.local_table, num_embeddings=self.num_rows, embedding_dim=self.width,
                        feature_names=list(self.local_features))
-        if self.rows is not None:
+        if self.rows is not None and self.source.is_pooled:
             changes["pooling"] = PoolingType.SUM
         config = dataclasses.replace(self.source.config, **changes)
         # Column shards stack only with the same slice of tables split the same way: their
         # backward may combine row statistics with the peer stacks (sparsecore.distributed.row_exchange).
         stack = self.stack if self.stack is not None else self.source.stack_table_name
-        return dataclasses.replace(self.source, config=config, stack_table_name=stack,
+        return dataclasses.replace(self.source, config=config, stack_table_name=stack, max_seq_len=None,
                                    combiner=None if self.rows is not None else self.source.combiner)
 
 

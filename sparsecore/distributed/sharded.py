@@ -25,6 +25,7 @@ from sparsecore.distributed.output_dist import OutputDist
 from sparsecore.distributed.plan import COLUMN_WISE, ShardingPlan, default_plan
 from sparsecore.distributed.row_exchange import merge_across_ranks, whole_row_statistic
 from sparsecore.executor import Pending, executor_for
+from sparsecore.collection import SparseCoreCollection
 from sparsecore.modules import SparseCoreEmbeddingBagCollection
 from sparsecore.optim import RowWiseAdagrad
 
@@ -43,10 +44,14 @@ class LocalShard:
     """Per optimizer state name (e.g. ``"momentum"``): its rows, aligned with ``weight``."""
 
 
-class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
-    """The sharded module (see the module docstring)."""
+class ShardedSparseCoreCollection(nn.Module):
+    """What the sharded pooled and sequence collections share: the rank's engines (its shards,
+    and replicas of data-parallel tables), their weights and optimizer state, and the input
+    distribution. Subclasses add their output distribution and forward."""
 
-    def __init__(self, module: SparseCoreEmbeddingBagCollection, plan: ShardingPlan,
+    _weight_prefix = ""  # the unsharded module's state_dict prefix: "embedding_bags" or "embeddings"
+
+    def __init__(self, module: SparseCoreCollection, plan: ShardingPlan,
                  process_group: dist.ProcessGroup | None = None):
         super().__init__()
         self._group = process_group
@@ -65,7 +70,7 @@ class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
         self._device = device
 
         def engine(configs):
-            return SparseCoreEmbeddingBagCollection(configs, module._optimizer, device,
+            return type(module)(configs, module._optimizer, device,
                                                     num_sparsecores=plan.sparsecores_per_chip,
                                                     allow_id_dropping=module._allow_id_dropping)
 
@@ -80,12 +85,6 @@ class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
         if isinstance(module._optimizer, RowWiseAdagrad):
             self._share_row_statistics()
         self._input_dist = InputDist(self._layout, self._rank, process_group)
-        self._output_dist = OutputDist(self._layout.output_gathers(),
-                                       [self._layout.local_width(r) for r in range(world)], process_group, self._rank,
-                                       sum(len(c.feature_names) * c.embedding_dim for c in self._layout.replicated))
-        self._ahead: tuple[concurrent.futures.ThreadPoolExecutor, InputDist] | None = None  # see prepare
-        self._output_group: dist.ProcessGroup | None = None  # see set_deferred_updates
-        self._prefetched: tuple[KeyedJaggedTensor, Pending] | None = None
         self._keys = [f for c in self._configs for f in c.feature_names]
         self._dims = [c.embedding_dim for c in self._configs for _ in c.feature_names]
 
@@ -110,7 +109,7 @@ class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
                         whole_row_statistic, group=groups[ranks], dim=c.embedding_dim))
 
     @torch.no_grad()
-    def _copy_weights(self, module: SparseCoreEmbeddingBagCollection) -> None:
+    def _copy_weights(self, module: SparseCoreCollection) -> None:
         for c in self._layout.replicated:
             self.replicas.set_table_weight(c.name, module.table_weight(c.name))
         for s in self._layout.local[self._rank]:
@@ -121,13 +120,120 @@ class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
             rows[valid] = full[ids[valid].to(full.device)][:, s.column_offset:s.column_offset + s.width].cpu()
             self.engine.set_table_weight(s.local_table, rows)
 
-    def embedding_bag_configs(self):
-        return [c.config for c in self._configs]
-
     @property
     def fused_optimizer(self):
         """The local engine's KeyedOptimizer (its learning rate drives this rank's shards)."""
         return self.engine.fused_optimizer if self.engine is not None else None
+
+    def observed_limits(self) -> dict[str, dict[str, int]]:
+        """Per table, the most ids and distinct ids any SparseCore partition of any rank
+        carried in a batch so far (the max over its shards, all-reduced over the group:
+        collective, every rank calls it), to seed a later run's limits under this plan."""
+        local = {c.name: [0, 0] for c in self._configs}
+        shard_tables = {s.local_table: s.table for s in self._layout.local[self._rank]}
+        for engine in self._engines():
+            for name, seen in engine.observed_limits().items():
+                table = local[shard_tables.get(name, name)]
+                table[0] = max(table[0], seen["max_ids_per_partition"])
+                table[1] = max(table[1], seen["max_unique_ids_per_partition"])
+        maxima = torch.tensor([local[c.name] for c in self._configs], dtype=torch.int64)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self._group)
+        return {c.name: {"max_ids_per_partition": int(ids), "max_unique_ids_per_partition": int(unique)}
+                for c, (ids, unique) in zip(self._configs, maxima.tolist())}
+
+    def _engines(self) -> list[SparseCoreCollection]:
+        return [e for e in (self.engine, self.replicas) if e is not None]
+
+    def wait_for_updates(self) -> None:
+        for engine in self._engines():
+            engine.wait_for_updates()
+
+    def local_shards(self) -> list[LocalShard]:
+        """This rank's pieces of every table (for checkpoints and checks)."""
+        out = []
+        for c in self._layout.replicated:
+            state = self.replicas.table_optimizer_state(c.name)
+            out.append(LocalShard(table=c.name, rows=torch.arange(c.num_embeddings), columns=(0, c.embedding_dim),
+                                  weight=self.replicas.table_weight(c.name), state=state))
+        for s in self._layout.local[self._rank]:
+            ids = s.global_ids()
+            valid = ids < s.source.num_embeddings
+            state = {k: v[valid] for k, v in self.engine.table_optimizer_state(s.local_table).items()}
+            out.append(LocalShard(table=s.table, rows=ids[valid], columns=(s.column_offset, s.width),
+                                  weight=self.engine.table_weight(s.local_table)[valid.to(self._device)], state=state))
+        return out
+
+    def step_count(self) -> torch.Tensor:
+        """The optimizer's step count (every engine of every rank steps once per backward)."""
+        self.wait_for_updates()
+        engines = [e for e in self._engines() if e._steps]
+        return next(iter(engines[0]._steps.values())) if engines else torch.zeros(1, dtype=torch.int64)
+
+    def set_step_count(self, value: torch.Tensor) -> None:
+        self.wait_for_updates()
+        for engine in self._engines():
+            for step in engine._steps.values():
+                step.copy_(value)
+
+    @torch.no_grad()
+    def set_local_shards_of(self, table: str, shards: list[LocalShard]) -> None:
+        """Writes back this rank's pieces of ``table`` (``local_shards()`` entries, same order)."""
+        if any(c.name == table for c in self._layout.replicated):
+            piece = shards[0]
+            self.replicas.set_table_weight(table, piece.weight)
+            for name, value in piece.state.items():
+                self.replicas.set_table_optimizer_state(table, name, value)
+            return
+        for s, piece in zip([s for s in self._layout.local[self._rank] if s.table == table], shards):
+            valid = s.global_ids() < s.source.num_embeddings
+
+            def full(rows: torch.Tensor) -> torch.Tensor:  # unused rows (past the table's end) stay zero
+                out = rows.new_zeros(s.num_rows, *rows.shape[1:])
+                out[valid.to(out.device)] = rows
+                return out
+
+            self.engine.set_table_weight(s.local_table, full(piece.weight))
+            for name, value in piece.state.items():
+                self.engine.set_table_optimizer_state(s.local_table, name, full(value))
+
+    def set_deferred_updates(self, enabled: bool = True) -> None:
+        """See SparseCoreCollection.set_deferred_updates (the local engines')."""
+        for engine in self._engines():
+            engine.set_deferred_updates(enabled)
+
+    def prepare(self, features: KeyedJaggedTensor) -> concurrent.futures.Future:
+        """What a pipeline calls ahead of ``forward``; here nothing runs ahead (done at once)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(features)
+        return done
+
+    def prefetch(self, features: KeyedJaggedTensor, prepared: concurrent.futures.Future | None = None) -> None:
+        """What a pipeline calls after a backward; here ``forward`` does all its work itself."""
+
+    def close(self) -> None:
+        """Waits for the work in flight and stops this module's own threads (before the process
+        group goes: their collectives must not outlive it)."""
+        self.wait_for_updates()
+
+
+class ShardedSparseCoreEmbeddingBagCollection(ShardedSparseCoreCollection):
+    """The sharded pooled collection (see the module docstring)."""
+
+    _weight_prefix = "embedding_bags"
+
+    def __init__(self, module: SparseCoreEmbeddingBagCollection, plan: ShardingPlan,
+                 process_group: dist.ProcessGroup | None = None):
+        super().__init__(module, plan, process_group)
+        world = plan.world_size
+        self._output_dist = OutputDist(self._layout.output_gathers(),
+                                       [self._layout.local_width(r) for r in range(world)], process_group, self._rank,
+                                       sum(len(c.feature_names) * c.embedding_dim for c in self._layout.replicated))
+        self._ahead: tuple[concurrent.futures.ThreadPoolExecutor, InputDist] | None = None  # see prepare
+        self._output_group: dist.ProcessGroup | None = None  # see set_deferred_updates
+        self._prefetched: tuple[KeyedJaggedTensor, Pending] | None = None
+
+    def embedding_bag_configs(self):
+        return [c.config for c in self._configs]
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         return self.forward_async(features).result()
@@ -225,24 +331,11 @@ class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
             prepared.set_result(self._input_dist(features))
         self._prefetched = (features, self._start_lookups(features, prepared))
 
-    def observed_limits(self) -> dict[str, dict[str, int]]:
-        """Per table, the most ids and distinct ids any SparseCore partition of any rank
-        carried in a batch so far (the max over its shards, all-reduced over the group:
-        collective, every rank calls it), to seed a later run's limits under this plan."""
-        local = {c.name: [0, 0] for c in self._configs}
-        shard_tables = {s.local_table: s.table for s in self._layout.local[self._rank]}
-        for engine in self._engines():
-            for name, seen in engine.observed_limits().items():
-                table = local[shard_tables.get(name, name)]
-                table[0] = max(table[0], seen["max_ids_per_partition"])
-                table[1] = max(table[1], seen["max_unique_ids_per_partition"])
-        maxima = torch.tensor([local[c.name] for c in self._configs], dtype=torch.int64)
-        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self._group)
-        return {c.name: {"max_ids_per_partition": int(ids), "max_unique_ids_per_partition": int(unique)}
-                for c, (ids, unique) in zip(self._configs, maxima.tolist())}
-
-    def _engines(self) -> list[SparseCoreEmbeddingBagCollection]:
-        return [e for e in (self.engine, self.replicas) if e is not None]
+    def close(self) -> None:
+        super().close()
+        if self._ahead is not None:
+            self._ahead[0].shutdown(wait=True)
+            self._ahead = None
 
     def set_deferred_updates(self, enabled: bool = True) -> None:
         """See SparseCoreCollection.set_deferred_updates (the local engines'). Sharded, the
@@ -252,8 +345,7 @@ class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
         at the same point, as TrainPipeline does). Not where the shards' updates exchange
         rows themselves (column-wise row-wise Adagrad): those collectives stay in the
         backward's order."""
-        for engine in self._engines():
-            engine.set_deferred_updates(enabled)
+        super().set_deferred_updates(enabled)
         exchanging = self.engine is not None and bool(self.engine._row_exchanges)
         if not enabled or exchanging or dist.get_world_size(self._group) == 1 or self._device.type != "tpu":
             self._output_group, self._output_dist.group = None, self._group
@@ -262,67 +354,23 @@ class ShardedSparseCoreEmbeddingBagCollection(nn.Module):
             self._output_group = dist.new_group(dist.get_process_group_ranks(self._group or dist.group.WORLD))
         self._output_dist.group = self._output_group
 
-    def wait_for_updates(self) -> None:
-        for engine in self._engines():
-            engine.wait_for_updates()
 
-    def local_shards(self) -> list[LocalShard]:
-        """This rank's pieces of every table (for checkpoints and checks)."""
-        out = []
-        for c in self._layout.replicated:
-            state = self.replicas.table_optimizer_state(c.name)
-            out.append(LocalShard(table=c.name, rows=torch.arange(c.num_embeddings), columns=(0, c.embedding_dim),
-                                  weight=self.replicas.table_weight(c.name), state=state))
-        for s in self._layout.local[self._rank]:
-            ids = s.global_ids()
-            valid = ids < s.source.num_embeddings
-            state = {k: v[valid] for k, v in self.engine.table_optimizer_state(s.local_table).items()}
-            out.append(LocalShard(table=s.table, rows=ids[valid], columns=(s.column_offset, s.width),
-                                  weight=self.engine.table_weight(s.local_table)[valid.to(self._device)], state=state))
-        return out
+def shard(module: SparseCoreCollection, plan: ShardingPlan | None = None,
+          process_group: dist.ProcessGroup | None = None) -> ShardedSparseCoreCollection:
+    """``module`` sharded over the process group by ``plan`` (default: ``default_plan``): a
+    ShardedSparseCoreEmbeddingBagCollection, or for a SparseCoreEmbeddingCollection a
+    ShardedSparseCoreEmbeddingCollection (sparsecore.distributed.sequence)."""
+    from sparsecore.distributed.sequence import ShardedSparseCoreEmbeddingCollection  # it builds on this module
+    from sparsecore.modules import SparseCoreEmbeddingCollection
 
-    def step_count(self) -> torch.Tensor:
-        """The optimizer's step count (every engine of every rank steps once per backward)."""
-        self.wait_for_updates()
-        engines = [e for e in self._engines() if e._steps]
-        return next(iter(engines[0]._steps.values())) if engines else torch.zeros(1, dtype=torch.int64)
-
-    def set_step_count(self, value: torch.Tensor) -> None:
-        self.wait_for_updates()
-        for engine in self._engines():
-            for step in engine._steps.values():
-                step.copy_(value)
-
-    @torch.no_grad()
-    def set_local_shards_of(self, table: str, shards: list[LocalShard]) -> None:
-        """Writes back this rank's pieces of ``table`` (``local_shards()`` entries, same order)."""
-        if any(c.name == table for c in self._layout.replicated):
-            piece = shards[0]
-            self.replicas.set_table_weight(table, piece.weight)
-            for name, value in piece.state.items():
-                self.replicas.set_table_optimizer_state(table, name, value)
-            return
-        for s, piece in zip([s for s in self._layout.local[self._rank] if s.table == table], shards):
-            valid = s.global_ids() < s.source.num_embeddings
-
-            def full(rows: torch.Tensor) -> torch.Tensor:  # unused rows (past the table's end) stay zero
-                out = rows.new_zeros(s.num_rows, *rows.shape[1:])
-                out[valid.to(out.device)] = rows
-                return out
-
-            self.engine.set_table_weight(s.local_table, full(piece.weight))
-            for name, value in piece.state.items():
-                self.engine.set_table_optimizer_state(s.local_table, name, full(value))
-
-
-def shard(module: SparseCoreEmbeddingBagCollection, plan: ShardingPlan | None = None,
-          process_group: dist.ProcessGroup | None = None) -> ShardedSparseCoreEmbeddingBagCollection:
-    """``module`` sharded over the process group by ``plan`` (default: ``default_plan``)."""
-    if not isinstance(module, SparseCoreEmbeddingBagCollection):
-        raise TypeError(f"shard takes a SparseCoreEmbeddingBagCollection, got {type(module).__name__}")
+    kinds = {SparseCoreEmbeddingBagCollection: ShardedSparseCoreEmbeddingBagCollection,
+             SparseCoreEmbeddingCollection: ShardedSparseCoreEmbeddingCollection}
+    if type(module) not in kinds:
+        raise TypeError(f"shard takes a SparseCoreEmbeddingBagCollection or SparseCoreEmbeddingCollection, "
+                        f"got {type(module).__name__}")
     if plan is None:
         plan = default_plan(module._configs, dist.get_world_size(process_group))
-    return ShardedSparseCoreEmbeddingBagCollection(module, plan, process_group)
+    return kinds[type(module)](module, plan, process_group)
 
 
 def _no_update(grad: torch.Tensor, state: object) -> None:
