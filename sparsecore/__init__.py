@@ -5,7 +5,8 @@ dense rest of a model is ordinary tpu tensors. TorchRec-compatible modules
 (``SparseCoreEmbeddingBagCollection``, ``SparseCoreEmbeddingCollection``)
 over table configs, stacking with mod sharding, host preprocessing into
 per-SparseCore COO buffers (``preprocess``), C++ kernels for the lookup and
-the fused-optimizer backward (``sparsecore.optim``).
+the fused-optimizer backward (``sparsecore.optim``), and ``TrainPipeline``,
+which overlaps the engine's work with the TensorCore's, exactly.
 """
 
 from sparsecore.config import SparseCoreEmbeddingConfig, as_sparsecore_config, with_observed_limits

@@ -66,7 +66,7 @@ class SparseCoreCollection(nn.Module):
         self._allow_id_dropping = allow_id_dropping
         self._deferred_updates = False  # see set_deferred_updates
         self._observed: dict[str, tuple[int, int]] = {}  # per stack: most (ids, unique ids) of a partition so far
-        self._prefetched: tuple[object, concurrent.futures.Future] | None = None  # see prefetch
+        self._prefetched: tuple[object, Pending] | None = None  # see prefetch
         self._weights = nn.ParameterDict()
         for stack in self._stacks:
             weight = torch.zeros((n * stack.rows_per_sparsecore, stack.embedding_dim),

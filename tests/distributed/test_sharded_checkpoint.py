@@ -18,7 +18,14 @@ from sparsecore.distributed.checkpoint import (
     unsharded_state_dict,
 )
 from tests.distributed.harness import assert_all_ok, run_ranks
-from tests.distributed.test_sharded_embeddings import kjt_of, local_batch, make_module, output_grad, tables
+from tests.distributed.test_sharded_embeddings import (
+    assert_shards_match,
+    kjt_of,
+    local_batch,
+    make_module,
+    output_grad,
+    tables,
+)
 
 OPTIMIZER = optim.RowWiseAdagrad(lr=0.1)  # a per-row state beside the weights
 
@@ -80,15 +87,6 @@ def reference(steps: list[list[int]]):
     return module
 
 
-def check(shards: list, ref) -> None:
-    for table, rows, (first, width), weight, state in shards:
-        columns = slice(first, first + width)
-        assert_close(weight, ref.table_weight(table)[rows][:, columns], msg=lambda m: f"{table}: {m}")
-        for name, value in ref.table_optimizer_state(table).items():
-            want = value[rows] if value.dim() == 1 else value[rows][:, columns]
-            assert_close(state[name], want, msg=lambda m: f"{table} {name}: {m}")
-
-
 def test_checkpoint_saved_by_two_ranks_loads_on_one_and_three_and_training_continues(tmp_path):
     path = str(tmp_path / "ckpt")
     assert_all_ok(run_ranks(train_and_save, 2, path))
@@ -97,8 +95,8 @@ def test_checkpoint_saved_by_two_ranks_loads_on_one_and_three_and_training_conti
         results = assert_all_ok(run_ranks(load_and_continue, world, path))
         after_three = reference([[0, 1], [0, 1], list(range(world))])
         for result in results:
-            check(result["loaded"], after_two)
-            check(result["trained"], after_three)
+            assert_shards_match(result["loaded"], after_two)
+            assert_shards_match(result["trained"], after_three)
 
 
 def test_checkpoint_loads_into_an_unsharded_module_and_torchrec(tmp_path):

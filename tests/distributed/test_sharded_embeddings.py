@@ -88,6 +88,16 @@ def train_sharded(rank: int, world: int, plan_json: str, optimizer) -> dict:
     return {"outputs": outputs, "shards": shards}
 
 
+def assert_shards_match(shards: list, ref) -> None:
+    """Every shard's weights and optimizer state equal the reference module's rows and columns."""
+    for table, rows, (first, width), weight, state in shards:
+        columns = slice(first, first + width)
+        assert_close(weight, ref.table_weight(table)[rows][:, columns], msg=lambda m: f"{table}: {m}")
+        for name, value in ref.table_optimizer_state(table).items():
+            want = value[rows] if value.dim() == 1 else value[rows][:, columns]
+            assert_close(state[name], want, msg=lambda m: f"{table} {name}: {m}")
+
+
 def reference(world: int, optimizer) -> tuple[list[torch.Tensor], sparsecore.SparseCoreEmbeddingBagCollection]:
     module = make_module(optimizer, "cpu")
     outputs = []
@@ -155,13 +165,9 @@ def test_sharded_training_equals_unsharded(kind, world):
                          msg=lambda m: f"rank {rank} step {step}: {m}")
     covered = {t.name: torch.zeros(t.num_embeddings, t.embedding_dim, dtype=torch.int64) for t in tables()}
     for result in results:
-        for table, rows, (first, width), weight, state in result["shards"]:
-            columns = slice(first, first + width)
-            assert_close(weight, ref.table_weight(table)[rows][:, columns], msg=lambda m: f"{table}: {m}")
-            for name, value in ref.table_optimizer_state(table).items():
-                want = value[rows] if value.dim() == 1 else value[rows][:, columns]
-                assert_close(state[name], want, msg=lambda m: f"{table} {name}: {m}")
-            covered[table][rows, columns] += 1
+        assert_shards_match(result["shards"], ref)
+        for table, rows, (first, width), *_ in result["shards"]:
+            covered[table][rows, first:first + width] += 1
     for table, count in covered.items():
         copies = world if plan.tables[table].sharding_type == "data_parallel" else 1
         assert bool((count == copies).all()), f"{table}: every element held by exactly {copies} shard(s)"
@@ -285,5 +291,4 @@ def test_deferred_updates_and_exchanges_train_as_unsharded(kind):
         start = 3 * rank
         for step, out in enumerate(result["outputs"]):
             assert_close(out, expected[step][start:start + 3 + rank], msg=lambda m: f"rank {rank} step {step}: {m}")
-        for table, rows, (first, width), weight, state in result["shards"]:
-            assert_close(weight, ref.table_weight(table)[rows][:, first:first + width], msg=lambda m: f"{table}: {m}")
+        assert_shards_match(result["shards"], ref)

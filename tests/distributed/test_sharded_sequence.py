@@ -23,6 +23,7 @@ from sparsecore import optim
 from sparsecore.distributed import ShardingPlan, TableSharding, shard
 from sparsecore.distributed.checkpoint import load_unsharded_state_dict, state_dict, unsharded_state_dict
 from tests.distributed.harness import assert_all_ok, run_ranks
+from tests.distributed.test_sharded_embeddings import assert_shards_match
 
 STEPS = 3
 
@@ -156,12 +157,7 @@ def test_sharded_sequence_training_equals_unsharded(kind, world, tmp_path):
                 for got_rows, want_rows in zip(out[f], want):
                     assert_close(got_rows, want_rows, msg=lambda m: f"rank {rank} step {step} {f}: {m}")
     for result in results:
-        for table, rows, (first, width), weight, state in result["shards"]:
-            columns = slice(first, first + width)
-            assert_close(weight, ref.table_weight(table)[rows][:, columns], msg=lambda m: f"{table}: {m}")
-            for name, value in ref.table_optimizer_state(table).items():
-                want = value[rows] if value.dim() == 1 else value[rows][:, columns]
-                assert_close(state[name], want, msg=lambda m: f"{table} {name}: {m}")
+        assert_shards_match(result["shards"], ref)
     if path:  # the checkpoint loads into an unsharded module: the reference's tables and state
         fresh = make_module(optimizer, "cpu")
         loaded = unsharded_state_dict(fresh)
