@@ -17,6 +17,7 @@ import functools
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from sparsecore.distributed.input_dist import InputDist
@@ -85,6 +86,7 @@ class ShardedSparseCoreCollection(nn.Module):
         if isinstance(module._optimizer, RowWiseAdagrad):
             self._share_row_statistics()
         self._input_dist = InputDist(self._layout, self._rank, process_group)
+        self._combined_optimizer: KeyedOptimizer | None = None  # see fused_optimizer
         self._keys = [f for c in self._configs for f in c.feature_names]
         self._dims = [c.embedding_dim for c in self._configs for _ in c.feature_names]
 
@@ -121,9 +123,14 @@ class ShardedSparseCoreCollection(nn.Module):
             self.engine.set_table_weight(s.local_table, rows)
 
     @property
-    def fused_optimizer(self):
-        """The local engine's KeyedOptimizer (its learning rate drives this rank's shards)."""
-        return self.engine.fused_optimizer if self.engine is not None else None
+    def fused_optimizer(self) -> KeyedOptimizer | None:
+        """The KeyedOptimizer of this rank's tables, shards and replicas alike: their state, and
+        param groups whose learning rate (e.g. set by an LR scheduler) drives them all."""
+        if self._combined_optimizer is None:
+            optimizers = [e.fused_optimizer for e in self._engines() if e._optimizer is not None]
+            if optimizers:
+                self._combined_optimizer = optimizers[0] if len(optimizers) == 1 else CombinedOptimizer(optimizers)
+        return self._combined_optimizer
 
     def observed_limits(self) -> dict[str, dict[str, int]]:
         """Per table, the most ids and distinct ids any SparseCore partition of any rank

@@ -268,14 +268,15 @@ def train_deferred(rank: int, world: int, plan_json: str, optimizer) -> dict:
         gate = threading.Event()
         executor.submit(gate.wait, 10)
         out.values().backward(output_grad(rank, step, out.values().shape[1]).to("tpu"))
-        module.fused_optimizer.param_groups[0]["lr"] = lr_after(step)
+        for group in module.fused_optimizer.param_groups:  # shards' and replicas' alike
+            group["lr"] = lr_after(step)
         gate.set()
     shards = [(s.table, s.rows, s.columns, s.weight.cpu(), {k: v.cpu() for k, v in s.state.items()})
               for s in module.local_shards()]  # reading waits for the deferred work
     return {"outputs": outputs, "shards": shards}
 
 
-@pytest.mark.parametrize("kind", ["table_wise", "row_wise"])
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise", "data_parallel"])
 def test_deferred_updates_and_exchanges_train_as_unsharded(kind):
     optimizer = optim.Adam(lr=0.05)
     plan = plan_for(kind, 2)
