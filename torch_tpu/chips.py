@@ -34,15 +34,21 @@ class ChipProfile:
     """SparseCores per chip, e.g. ``4``."""
     bf16_tflops: float
     """Peak bf16 TFLOP/s of the TensorCores, e.g. ``459``."""
+    ici_gbps: float
+    """Inter-chip interconnect bandwidth per chip in GB/s, e.g. ``600``."""
 
 
 CHIPS: dict[str, ChipProfile] = {
     p.name: p
     for p in (
-        ChipProfile(name="v4", hbm_bytes=32 * GiB, hbm_gbps=1200, sparsecores_per_chip=4, bf16_tflops=275),
-        ChipProfile(name="v5p", hbm_bytes=95 * GiB, hbm_gbps=2765, sparsecores_per_chip=4, bf16_tflops=459),
-        ChipProfile(name="v6e", hbm_bytes=32 * GiB, hbm_gbps=1640, sparsecores_per_chip=2, bf16_tflops=918),
-        ChipProfile(name="v7", hbm_bytes=192 * GiB, hbm_gbps=7370, sparsecores_per_chip=2, bf16_tflops=2300),
+        ChipProfile(name="v4", hbm_bytes=32 * GiB, hbm_gbps=1200, sparsecores_per_chip=4, bf16_tflops=275,
+                    ici_gbps=300),
+        ChipProfile(name="v5p", hbm_bytes=95 * GiB, hbm_gbps=2765, sparsecores_per_chip=4, bf16_tflops=459,
+                    ici_gbps=600),
+        ChipProfile(name="v6e", hbm_bytes=32 * GiB, hbm_gbps=1640, sparsecores_per_chip=2, bf16_tflops=918,
+                    ici_gbps=448),
+        ChipProfile(name="v7", hbm_bytes=192 * GiB, hbm_gbps=7370, sparsecores_per_chip=2, bf16_tflops=2300,
+                    ici_gbps=1200),
     )
 }
 

@@ -1,0 +1,16 @@
+"""The embedding sharding planner: tables and a TPU slice in, a ``ShardingPlan`` out.
+
+``read_tables`` (CSV, JSON, YAML) -> ``plan_tables(tables, topology, batch_size)``
+-> ``PlanResult.plan`` (a ``sparsecore.distributed.ShardingPlan``). The cost
+model (cost.py) prices each shard's HBM bytes and step time; the search
+(search.py) balances the slowest device under the HBM limits. CLI:
+``sparsecore-plan`` (``python -m sparsecore.planner``).
+"""
+
+from sparsecore.planner.cost import CostModel, ShardCost, distinct_ids
+from sparsecore.planner.search import Constraint, PlanningError, PlanResult, plan_tables
+from sparsecore.planner.specs import SpecError, TableSpec, read_tables
+from sparsecore.planner.topology import Topology, parse_topology
+
+__all__ = ["Constraint", "CostModel", "PlanResult", "PlanningError", "ShardCost", "SpecError", "TableSpec",
+           "Topology", "distinct_ids", "parse_topology", "plan_tables", "read_tables"]

@@ -1,0 +1,126 @@
+"""What the planner plans: tables as plain data, read from CSV, JSON or YAML.
+
+One row per table::
+
+    name,num_embeddings,embedding_dim,pooling_factor,zipf_alpha,optimizer,data_type
+    t_cat_0,1460,64,1.0,1.05,rowwise_adagrad,fp32
+
+``pooling_factor`` is the mean ids per sample (default 1); ``zipf_alpha`` the
+skew of the ids (empty: uniform), which sets how many of them are distinct;
+``optimizer`` one of sgd, adagrad, rowwise_adagrad, adam (default
+rowwise_adagrad); ``data_type`` fp32, fp16 or bf16 (default fp32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+OPTIMIZER_STATE = {"sgd": 0, "adagrad": -1, "rowwise_adagrad": 1, "adam": -2}
+"""fp32 state values per row: a count, or -k for k per element (adagrad: dim; adam: 2 x dim)."""
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+REQUIRED = ("name", "num_embeddings", "embedding_dim")
+
+
+class SpecError(ValueError):
+    """A table list the planner cannot read: names the file, the table and the field."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TableSpec:
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    pooling_factor: float = 1.0
+    zipf_alpha: float | None = None
+    optimizer: str = "rowwise_adagrad"
+    data_type: str = "fp32"
+
+    def __post_init__(self) -> None:
+        def bad(field: str, expected: str) -> SpecError:
+            return SpecError(f"table {self.name!r}: {field}={getattr(self, field)!r}; expected {expected}")
+
+        if not self.name:
+            raise SpecError("a table has an empty name")
+        for field in ("num_embeddings", "embedding_dim"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise bad(field, "a positive integer")
+        if not (self.pooling_factor > 0 and math.isfinite(self.pooling_factor)):
+            raise bad("pooling_factor", "a positive number")
+        if self.zipf_alpha is not None and not (self.zipf_alpha > 0 and math.isfinite(self.zipf_alpha)):
+            raise bad("zipf_alpha", "a positive number or empty (uniform ids)")
+        if self.optimizer not in OPTIMIZER_STATE:
+            raise bad("optimizer", f"one of {sorted(OPTIMIZER_STATE)}")
+        if self.data_type not in DTYPE_BYTES:
+            raise bad("data_type", f"one of {sorted(DTYPE_BYTES)}")
+
+    @property
+    def element_bytes(self) -> int:
+        return DTYPE_BYTES[self.data_type]
+
+    def state_values(self, width: int) -> int:
+        """fp32 optimizer state values per row of a ``width``-column shard."""
+        per = OPTIMIZER_STATE[self.optimizer]
+        return per if per >= 0 else -per * width
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    import pandas as pd
+
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".csv":
+            frame = pd.read_csv(path)
+        elif suffix == ".json":
+            data = json.loads(path.read_text())
+            frame = pd.DataFrame(data["tables"] if isinstance(data, dict) else data)
+        elif suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(path.read_text())
+            frame = pd.DataFrame(data["tables"] if isinstance(data, dict) else data)
+        else:
+            raise SpecError(f"{path}: unknown table format {suffix!r}; expected .csv, .json, .yaml or .yml")
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        if isinstance(error, SpecError):
+            raise
+        raise SpecError(f"{path}: not a readable table list ({error})") from error
+    missing = [c for c in REQUIRED if c not in frame.columns]
+    if missing:
+        raise SpecError(f"{path}: missing column(s) {missing}; every table needs {list(REQUIRED)}")
+    unknown = sorted(set(frame.columns) - {f.name for f in dataclasses.fields(TableSpec)})
+    if unknown:
+        raise SpecError(f"{path}: unknown column(s) {unknown}")
+    return frame.astype(object).where(frame.notna(), None).to_dict("records")
+
+
+def _table(record: dict[str, Any], where: str) -> TableSpec:
+    fields = {k: v for k, v in record.items() if v is not None}
+    try:
+        for key in ("num_embeddings", "embedding_dim"):
+            if key in fields and float(fields[key]).is_integer():
+                fields[key] = int(float(fields[key]))
+        for key in ("pooling_factor", "zipf_alpha"):
+            if key in fields:
+                fields[key] = float(fields[key])
+        fields["name"] = str(fields["name"])
+        return TableSpec(**fields)
+    except (TypeError, ValueError) as error:
+        raise SpecError(f"{where}: {error}") from error
+
+
+def read_tables(path: str | Path) -> list[TableSpec]:
+    """The tables of a CSV, JSON (a list, or {"tables": [...]}) or YAML file."""
+    path = Path(path)
+    tables = [_table(r, f"{path} row {i + 1}") for i, r in enumerate(_records(path))]
+    if not tables:
+        raise SpecError(f"{path}: no tables")
+    names = [t.name for t in tables]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise SpecError(f"{path}: table name(s) {duplicates} appear more than once")
+    return tables

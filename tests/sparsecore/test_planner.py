@@ -1,0 +1,155 @@
+"""sparsecore.planner: storage arithmetic, the sharding types it picks, constraints, infeasible input, the CLI."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sparsecore.distributed import ShardingPlan
+from sparsecore.planner import (
+    Constraint,
+    PlanningError,
+    SpecError,
+    TableSpec,
+    Topology,
+    distinct_ids,
+    plan_tables,
+    read_tables,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+GiB = 2**30
+
+
+def topology(chips=2, hbm=GiB, per_host=4) -> Topology:
+    return Topology(chip="v5p", chips=chips, hbm_bytes=hbm, sparsecores_per_chip=4, hbm_gbps=1000, ici_gbps=100,
+                    chips_per_host=per_host)
+
+
+def test_storage_of_a_table_wise_table_by_hand():
+    t = TableSpec(name="t", num_embeddings=1000, embedding_dim=64, pooling_factor=2.0)
+    result = plan_tables([t], topology(chips=1), batch_size=100)
+    # weights + row-wise Adagrad's one value a row + 12-byte COO entries for 200 ids + fp32 output and gradient.
+    assert result.device_bytes[0] == 1000 * 64 * 4 + 1000 * 4 + 200 * 12 + 2 * 100 * 64 * 4
+    adam = plan_tables([TableSpec(name="t", num_embeddings=1000, embedding_dim=64, optimizer="adam", data_type="bf16")],
+                       topology(chips=1), batch_size=100)
+    assert adam.device_bytes[0] == 1000 * 64 * 2 + 1000 * 128 * 4 + 100 * 12 + 2 * 100 * 64 * 4
+
+
+def test_distinct_ids_match_sampling():
+    rng = np.random.default_rng(0)
+    assert distinct_ids(1000, 1000, None) == pytest.approx(1000 * (1 - (1 - 1 / 1000) ** 1000))
+    rows, alpha, draws = 5000, 1.1, 20000
+    p = np.arange(1, rows + 1) ** -alpha
+    sampled = np.mean([len(np.unique(rng.choice(rows, draws, p=p / p.sum()))) for _ in range(5)])
+    assert distinct_ids(draws, rows, alpha) == pytest.approx(sampled, rel=0.03)
+
+
+def test_small_tables_spread_table_wise_and_balanced():
+    tables = [TableSpec(name=f"t{i}", num_embeddings=1000, embedding_dim=64) for i in range(8)]
+    result = plan_tables(tables, topology(chips=4), batch_size=512,
+                         constraints={t.name: Constraint(sharding_types=("table_wise",)) for t in tables})
+    counts = np.bincount([p.ranks[0] for p in result.placements], minlength=4)
+    assert list(counts) == [2, 2, 2, 2]
+    assert result.gap == pytest.approx(0, abs=1e-9)
+
+
+@pytest.mark.parametrize("kind", ["row_wise", "column_wise", "table_row_wise"])
+def test_a_table_too_big_for_one_device_is_split(kind):
+    big = TableSpec(name="big", num_embeddings=3_000_000, embedding_dim=64, optimizer="sgd")  # 0.72 GiB of weights
+    result = plan_tables([big], topology(chips=4, hbm=GiB // 2, per_host=2), batch_size=256,
+                         constraints={"big": Constraint(sharding_types=("table_wise", kind))})
+    placement = result.placements[0]
+    assert placement.sharding_type == kind
+    assert len(placement.ranks) == (2 if kind != "row_wise" else 4)
+    assert result.device_bytes.max() <= result.capacity_bytes
+
+
+def test_data_parallel_when_replicas_are_cheapest():
+    # A tiny hot table beside big ones: replicated, its lookups stay local.
+    tables = [TableSpec(name="tiny", num_embeddings=10, embedding_dim=32, pooling_factor=50)]
+    tables += [TableSpec(name=f"big{i}", num_embeddings=1_000_000, embedding_dim=128) for i in range(4)]
+    result = plan_tables(tables, topology(chips=4, hbm=8 * GiB), batch_size=65536)
+    kinds = {p.table: p.sharding_type for p in result.placements}
+    assert kinds["tiny"] == "data_parallel"
+
+
+def test_constraints_are_honoured():
+    tables = [TableSpec(name=f"t{i}", num_embeddings=100, embedding_dim=32) for i in range(6)]
+    constraints = {"t0": Constraint(sharding_types=("table_wise",), ranks=(3,)),
+                   "t1": Constraint(sharding_types=("row_wise",))}
+    result = plan_tables(tables, topology(chips=4), batch_size=64, constraints=constraints)
+    by = {p.table: p for p in result.placements}
+    assert by["t0"].sharding_type == "table_wise" and by["t0"].ranks == (3,)
+    assert by["t1"].sharding_type == "row_wise" and by["t1"].ranks == (0, 1, 2, 3)
+    with pytest.raises(PlanningError, match="unknown tables \\['nope'\\]"):
+        plan_tables(tables, topology(), 64, constraints={"nope": Constraint()})
+
+
+def test_infeasible_names_the_table_and_what_would_help():
+    huge = TableSpec(name="huge", num_embeddings=50_000_000, embedding_dim=128)
+    with pytest.raises(PlanningError) as error:
+        plan_tables([huge, TableSpec(name="ok", num_embeddings=10, embedding_dim=8)], topology(chips=2), 64)
+    message = str(error.value)
+    assert "'huge'" in message and "GiB" in message and "add chips" in message and "'ok'" not in message
+
+
+def write_inputs(tmp_path: Path) -> dict[str, Path]:
+    rows = [{"name": f"t{i}", "num_embeddings": 1000 * (i + 1), "embedding_dim": 64, "pooling_factor": 2.0}
+            for i in range(5)]
+    rows[0]["zipf_alpha"] = 1.05
+    paths = {"csv": tmp_path / "t.csv", "json": tmp_path / "t.json", "yaml": tmp_path / "t.yaml"}
+    header = ["name", "num_embeddings", "embedding_dim", "pooling_factor", "zipf_alpha"]
+    paths["csv"].write_text("\n".join([",".join(header)] + [",".join(str(r.get(h, "")) for h in header)
+                                                          for r in rows]) + "\n")
+    paths["json"].write_text(json.dumps({"tables": rows}))
+    paths["yaml"].write_text("tables:\n" + "".join(
+        "  - " + "\n    ".join(f"{k}: {v}" for k, v in r.items()) + "\n" for r in rows))
+    return paths
+
+
+def test_the_three_formats_read_the_same_tables(tmp_path):
+    paths = write_inputs(tmp_path)
+    read = [read_tables(p) for p in paths.values()]
+    assert read[0] == read[1] == read[2]
+    assert read[0][0].zipf_alpha == 1.05 and read[0][1].zipf_alpha is None
+    bad = tmp_path / "bad.csv"
+    bad.write_text("name,num_embeddings,embedding_dim\nt,-5,8\n")
+    with pytest.raises(SpecError, match="row 1.*num_embeddings=-5"):
+        read_tables(bad)
+    (tmp_path / "short.csv").write_text("name,embedding_dim\nt,8\n")
+    with pytest.raises(SpecError, match="missing column.*num_embeddings"):
+        read_tables(tmp_path / "short.csv")
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sparsecore.planner", *args], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+
+
+@pytest.mark.parametrize("fmt", ["csv", "json", "yaml"])
+def test_cli_end_to_end(fmt, tmp_path):
+    paths = write_inputs(tmp_path)
+    out = cli("--tables", str(paths[fmt]), "--topology", "v5p:4", "--batch-size", "4096", "--out",
+              str(tmp_path / "plan.json"))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split()[:3] == ["device", "HBM", "GiB"] and len([l for l in lines if l[:1].isdigit()]) == 4
+    assert "slowest device" in lines[-1] and "lower bound" in lines[-1] and "planned in" in lines[-1]
+    plan = ShardingPlan.load(tmp_path / "plan.json")
+    assert plan.world_size == 4 and set(plan.tables) == {f"t{i}" for i in range(5)}
+    as_json = json.loads(cli("--tables", str(paths[fmt]), "--topology", "v5p:4", "--batch-size", "4096",
+                             "--format", "json").stdout)
+    assert set(as_json) == {"summary", "plan", "devices", "tables"} and len(as_json["devices"]) == 4
+    assert ShardingPlan.from_dict(as_json["plan"]) == plan
+
+
+def test_cli_errors_exit_2_with_the_reason(tmp_path):
+    (tmp_path / "huge.csv").write_text("name,num_embeddings,embedding_dim\nhuge,900000000,256\n")
+    out = cli("--tables", str(tmp_path / "huge.csv"), "--topology", "v5p:2")
+    assert out.returncode == 2 and "'huge'" in out.stderr and "add chips" in out.stderr
+    out = cli("--tables", str(tmp_path / "huge.csv"), "--topology", "v9:2")
+    assert out.returncode == 2 and "--topology 'v9:2'" in out.stderr
