@@ -105,9 +105,9 @@ def _proposals(table: TableSpec, topology: Topology, batch: int, model: CostMode
         rows = -(-table.num_embeddings // n)
         out.append((ROW_WISE, [tuple(devices)], [cost(rows, table.embedding_dim, ids / n, batch)] * n, None))
     if TABLE_ROW_WISE in allowed and len(topology.hosts) > 1:
-        hosts = [h for h in topology.hosts if set(h) <= set(devices)]
+        size = len(topology.hosts[0])  # a last, smaller host (chips not a multiple) is left out
+        hosts = [h for h in topology.hosts if len(h) == size and set(h) <= set(devices)]
         if hosts:
-            size = len(hosts[0])
             rows = -(-table.num_embeddings // size)
             out.append((TABLE_ROW_WISE, hosts, [cost(rows, table.embedding_dim, ids / size, batch)] * size, None))
     if DATA_PARALLEL in allowed and n == topology.chips:
@@ -127,6 +127,8 @@ def plan_tables(tables: Sequence[TableSpec], topology: Topology, batch_size: int
                 constraints: Mapping[str, Constraint] | None = None, model: CostModel = CostModel()) -> PlanResult:
     """The plan (see the module docstring); PlanningError when some table fits nowhere."""
     started = time.perf_counter()
+    if not tables:
+        raise PlanningError("no tables to plan")
     constraints = dict(constraints or {})
     unknown = sorted(set(constraints) - {t.name for t in tables})
     if unknown:
@@ -211,14 +213,17 @@ def _candidate_sets(kind, device_sets, load, used, need, capacity, shards, allow
 def _infeasible(failed, options, capacity, used) -> str:
     lines = []
     for t in failed:
-        smallest = min(max(s.hbm_bytes for s in p[2]) for p in options[t.name])
-        lines.append(f"table {t.name!r} ({t.num_embeddings:,} x {t.embedding_dim}, {t.optimizer}) needs at least "
-                     f"{smallest / 2**30:.2f} GiB on a device in its smallest split, but the most free on any "
-                     f"device is {(capacity - used.min()) / 2**30:.2f} GiB of {capacity / 2**30:.2f} GiB usable")
+        kind, _, costs, _ = min(options[t.name], key=lambda p: max(s.hbm_bytes for s in p[2]))
+        each = max(s.hbm_bytes for s in costs)
+        room = int((capacity - used >= each).sum())
+        lines.append(f"table {t.name!r} ({t.num_embeddings:,} x {t.embedding_dim}, {t.optimizer}) needs "
+                     f"{each / 2**30:.2f} GiB on each of {len(costs)} device(s) in its smallest allowed split "
+                     f"({kind}); {room} device(s) have that much free (the most free: "
+                     f"{(capacity - used.min()) / 2**30:.2f} GiB of {capacity / 2**30:.2f} GiB usable)")
     total = sum(min(sum(s.hbm_bytes for s in p[2]) for p in options[t.name]) for t in failed)
     free = int((capacity - used).sum())
     more = max(1, -(-int(total - free) // capacity)) if total > free else 0
     hint = (f"add chips (about {more} more of this size), allow row_wise for these tables, or reduce their "
             f"embedding_dim or data_type" if more else
-            "allow row_wise (or column_wise) for these tables so they spread over several devices")
+            "allow row_wise (or column_wise) for these tables so they spread over the devices with room")
     return "no plan fits: " + "; ".join(lines) + f". To make it fit: {hint}."
