@@ -95,3 +95,18 @@ def test_sharded_run_checkpoints_and_resumes_exactly(dense, tmp_path, single_pro
     assert [m["step"] for m in resumed] == [4]
     for key in ("train_loss", "val_auc", "val_log_loss"):
         assert resumed[0][key] == pytest.approx(single_process[1][key], rel=1e-5, abs=1e-6), key
+
+
+def test_a_plan_from_the_planner_trains_as_one_process(tmp_path, single_process):
+    """sparsecore-plan's output drives torchrun -m models.train --plan."""
+    from data.synthetic import SyntheticConfig, SyntheticCriteo
+    from sparsecore.planner import TableSpec, parse_topology, plan_tables
+
+    sizes = SyntheticCriteo(SyntheticConfig(num_samples=20000, scale=1e-4)).table_sizes  # the data ARGS train on
+    tables = [TableSpec(name=f"t_{f}", num_embeddings=n, embedding_dim=16) for f, n in zip(schema.SPARSE_NAMES, sizes)]
+    result = plan_tables(tables, parse_topology("v5p:2"), batch_size=512)
+    result.plan.save(tmp_path / "plan.json")
+    sharded = run(["--plan", str(tmp_path / "plan.json")], tmp_path / "metrics.jsonl", 2)
+    for got, want in zip(sharded, single_process):
+        for key in ("train_loss", "val_auc", "val_log_loss"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
