@@ -9,8 +9,8 @@ model (cost.py) prices each shard's HBM bytes and step time; the search
 
 from sparsecore.planner.cost import CostModel, ShardCost, distinct_ids
 from sparsecore.planner.search import Constraint, PlanningError, PlanResult, plan_tables
-from sparsecore.planner.specs import SpecError, TableSpec, read_tables
+from sparsecore.planner.specs import SpecError, TableSpec, presets, read_preset, read_tables
 from sparsecore.planner.topology import Topology, parse_topology
 
 __all__ = ["Constraint", "CostModel", "PlanResult", "PlanningError", "ShardCost", "SpecError", "TableSpec",
-           "Topology", "distinct_ids", "parse_topology", "plan_tables", "read_tables"]
+           "Topology", "distinct_ids", "parse_topology", "plan_tables", "presets", "read_preset", "read_tables"]

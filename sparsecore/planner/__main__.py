@@ -17,7 +17,7 @@ from pathlib import Path
 
 from sparsecore.planner.report import as_json, as_text
 from sparsecore.planner.search import Constraint, PlanningError, plan_tables
-from sparsecore.planner.specs import SpecError, read_tables
+from sparsecore.planner.specs import SpecError, presets, read_preset, read_tables
 from sparsecore.planner.topology import parse_topology
 
 
@@ -34,8 +34,10 @@ def read_constraints(path: Path) -> dict[str, Constraint]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="sparsecore-plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--tables", required=True, type=Path, help="CSV, JSON or YAML: name, num_embeddings, "
-                   "embedding_dim[, pooling_factor, zipf_alpha, optimizer, data_type]")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--tables", type=Path, help="CSV, JSON or YAML: name, num_embeddings, "
+                        "embedding_dim[, pooling_factor, zipf_alpha, optimizer, data_type]")
+    source.add_argument("--model", help=f"a model preset: {', '.join(presets())}")
     p.add_argument("--topology", default="v5p:8", help="<chip>:<chips>, e.g. v5p:64")
     p.add_argument("--hbm-gib", type=float, default=None, help="HBM per chip (default: the chip's)")
     p.add_argument("--chips-per-host", type=int, default=4)
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SpecError(f"--batch-size {a.batch_size}: expected a positive integer")
         topology = parse_topology(a.topology, hbm_bytes=int(a.hbm_gib * 2**30) if a.hbm_gib else None,
                                   chips_per_host=a.chips_per_host)
-        tables = read_tables(a.tables)
+        tables = read_tables(a.tables) if a.tables is not None else read_preset(a.model)
         constraints = read_constraints(a.constraints) if a.constraints else None
         result = plan_tables(tables, topology, a.batch_size, constraints=constraints)
     except (SpecError, PlanningError, ValueError) as error:

@@ -124,3 +124,19 @@ def read_tables(path: str | Path) -> list[TableSpec]:
     if duplicates:
         raise SpecError(f"{path}: table name(s) {duplicates} appear more than once")
     return tables
+
+
+PRESETS_DIR = Path(__file__).with_name("presets")
+
+
+def presets() -> list[str]:
+    """The model presets ``read_preset`` knows, e.g. ``"criteo-kaggle"``."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.csv"))
+
+
+def read_preset(name: str) -> list[TableSpec]:
+    """The tables of a well-known model: ``criteo-kaggle`` (TorchRec's DLRM example: 26 tables,
+    dim 128) or ``dlrm-dcnv2-criteo1tb`` (MLPerf: multi-hot Criteo 1TB, dim 128, Adagrad)."""
+    if name not in presets():
+        raise SpecError(f"--model {name!r}: unknown; expected one of {presets()}")
+    return read_tables(PRESETS_DIR / f"{name}.csv")

@@ -17,6 +17,7 @@ from sparsecore.planner import (
     Topology,
     distinct_ids,
     plan_tables,
+    read_preset,
     read_tables,
 )
 
@@ -153,3 +154,20 @@ def test_cli_errors_exit_2_with_the_reason(tmp_path):
     assert out.returncode == 2 and "'huge'" in out.stderr and "add chips" in out.stderr
     out = cli("--tables", str(tmp_path / "huge.csv"), "--topology", "v9:2")
     assert out.returncode == 2 and "--topology 'v9:2'" in out.stderr
+
+
+def test_model_presets_are_the_datasets_tables(tmp_path):
+    from data import schema
+
+    kaggle = read_preset("criteo-kaggle")
+    assert [t.num_embeddings for t in kaggle] == list(schema.KAGGLE_TABLE_SIZES)
+    assert [t.name for t in kaggle] == [f"t_{f}" for f in schema.SPARSE_NAMES]  # models.train's table names
+    mlperf = read_preset("dlrm-dcnv2-criteo1tb")
+    assert [t.num_embeddings for t in mlperf] == list(schema.TERABYTE_TABLE_SIZES)
+    assert [t.pooling_factor for t in mlperf] == list(schema.MLPERF_MULTI_HOT_SIZES)
+    with pytest.raises(SpecError, match="unknown; expected one of"):
+        read_preset("nope")
+    out = cli("--model", "dlrm-dcnv2-criteo1tb", "--topology", "v5p:16", "--format", "json")
+    assert out.returncode == 0, out.stderr
+    assert len(json.loads(out.stdout)["tables"]) == 26
+    assert cli("--model", "criteo-kaggle", "--tables", "x.csv").returncode == 2  # one source only
