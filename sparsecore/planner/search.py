@@ -227,3 +227,12 @@ def _infeasible(failed, options, capacity, used) -> str:
             f"embedding_dim or data_type" if more else
             "allow row_wise (or column_wise) for these tables so they spread over the devices with room")
     return "no plan fits: " + "; ".join(lines) + f". To make it fit: {hint}."
+
+
+def plan(module, topology: Topology, batch_size: int, *, pooling_factors: Mapping[str, float] | None = None,
+         constraints: Mapping[str, Constraint] | None = None, model: CostModel = CostModel()) -> PlanResult:
+    """``plan_tables`` for the tables of a SparseCore collection (``tables_of``)."""
+    from sparsecore.planner.specs import tables_of
+
+    return plan_tables(tables_of(module, dict(pooling_factors or {})), topology, batch_size,
+                       constraints=constraints, model=model)

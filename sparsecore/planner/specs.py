@@ -7,7 +7,7 @@ One row per table::
 
 ``pooling_factor`` is the mean ids per sample (default 1); ``zipf_alpha`` the
 skew of the ids (empty: uniform), which sets how many of them are distinct;
-``optimizer`` one of sgd, adagrad, rowwise_adagrad, adam (default
+``optimizer`` one of sgd, adagrad, rowwise_adagrad, adam, ftrl (default
 rowwise_adagrad); ``data_type`` fp32, fp16 or bf16 (default fp32).
 """
 
@@ -19,8 +19,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-OPTIMIZER_STATE = {"sgd": 0, "adagrad": -1, "rowwise_adagrad": 1, "adam": -2}
-"""fp32 state values per row: a count, or -k for k per element (adagrad: dim; adam: 2 x dim)."""
+OPTIMIZER_STATE = {"sgd": 0, "adagrad": -1, "rowwise_adagrad": 1, "adam": -2, "ftrl": -2}
+"""fp32 state values per row: a count, or -k for k per element (adagrad: dim; adam, ftrl: 2 x dim)."""
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 REQUIRED = ("name", "num_embeddings", "embedding_dim")
 
@@ -140,3 +140,20 @@ def read_preset(name: str) -> list[TableSpec]:
     if name not in presets():
         raise SpecError(f"--model {name!r}: unknown; expected one of {presets()}")
     return read_tables(PRESETS_DIR / f"{name}.csv")
+
+
+def tables_of(module, pooling_factors: dict[str, float] | None = None) -> list[TableSpec]:
+    """The tables of a SparseCore collection (its configs and optimizer) as planner specs;
+    ``pooling_factors``: mean ids per sample per table (default 1, which a module cannot know)."""
+    optimizer = type(getattr(module, "_optimizer", None)).__name__.lower()
+    # No optimizer (a module for serving): no state, as SGD.
+    names = {"sgd": "sgd", "adagrad": "adagrad", "rowwiseadagrad": "rowwise_adagrad", "adam": "adam",
+             "ftrl": "ftrl", "nonetype": "sgd"}
+    pooling_factors = pooling_factors or {}
+    unknown = sorted(set(pooling_factors) - {c.name for c in module._configs})
+    if unknown:
+        raise SpecError(f"pooling factors for unknown tables {unknown}")
+    return [TableSpec(name=c.name, num_embeddings=c.num_embeddings, embedding_dim=c.embedding_dim,
+                      pooling_factor=float(pooling_factors.get(c.name, 1.0)),
+                      optimizer=names[optimizer], data_type=c.config.data_type.name.lower())
+            for c in module._configs]

@@ -171,3 +171,24 @@ def test_model_presets_are_the_datasets_tables(tmp_path):
     assert out.returncode == 0, out.stderr
     assert len(json.loads(out.stdout)["tables"]) == 26
     assert cli("--model", "criteo-kaggle", "--tables", "x.csv").returncode == 2  # one source only
+
+
+def test_plan_of_a_module_takes_its_tables_and_optimizer():
+    from torchrec import EmbeddingBagConfig
+    from torchrec.modules.embedding_configs import DataType
+
+    import sparsecore
+    from sparsecore.planner import plan, tables_of
+
+    ebc = sparsecore.SparseCoreEmbeddingBagCollection(
+        [EmbeddingBagConfig(name="a", num_embeddings=1000, embedding_dim=64, feature_names=["f"]),
+         EmbeddingBagConfig(name="b", num_embeddings=50, embedding_dim=32, feature_names=["g"],
+                            data_type=DataType.BF16)],
+        sparsecore.optim.Adam(lr=0.1), device="meta")
+    specs = tables_of(ebc, {"a": 3.0})
+    assert [(t.name, t.num_embeddings, t.embedding_dim, t.pooling_factor, t.optimizer, t.data_type) for t in specs] == [
+        ("a", 1000, 64, 3.0, "adam", "fp32"), ("b", 50, 32, 1.0, "adam", "bf16")]
+    result = plan(ebc, topology(chips=2), batch_size=128, pooling_factors={"a": 3.0})
+    result.plan.validate(ebc._configs)
+    with pytest.raises(SpecError, match="unknown tables \\['c'\\]"):
+        tables_of(ebc, {"c": 1.0})
