@@ -54,6 +54,11 @@ def shard_embeddings(model: torch.nn.Module, plan: sparsecore.distributed.Shardi
     arch.embedding_bag_collection = sparsecore.distributed.shard(arch.embedding_bag_collection, plan)
 
 
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside a DDP wrapper (FSDP2 and single-process models are not wrapped)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
 def _sum_gradients(group, bucket):  # unannotated: DDP checks annotations against the classes, not strings
     """DDP communication hook: the sum over ranks (DDP's default divides by the world size)."""
     work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
@@ -117,7 +122,7 @@ def checkpoint_state(model: torch.nn.Module, dense_optimizer: torch.optim.Optimi
     the dense arch (replicated under DDP, DTensors under FSDP2) and its optimizer's state."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    unwrapped = model.module if isinstance(model, DistributedDataParallel) else model
+    unwrapped = unwrap(model)
     ebc = unwrapped.sparse_arch.embedding_bag_collection
     dense = {f"{part}.{key}": value for part in DENSE_PARTS
              for key, value in getattr(unwrapped, part).state_dict().items()}
@@ -129,7 +134,7 @@ def load_checkpoint_state(model: torch.nn.Module, dense_optimizer: torch.optim.O
     """Takes a ``checkpoint_state`` that torch.distributed.checkpoint filled."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    unwrapped = model.module if isinstance(model, DistributedDataParallel) else model
+    unwrapped = unwrap(model)
     sparsecore.distributed.checkpoint.load_state_dict(unwrapped.sparse_arch.embedding_bag_collection,
                                                       state["embeddings"])
     for part in DENSE_PARTS:

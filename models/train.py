@@ -313,7 +313,7 @@ class Trainer:
 
     @property
     def _unwrapped(self) -> torch.nn.Module:
-        return self.model.module if isinstance(self.model, torch.nn.parallel.DistributedDataParallel) else self.model
+        return distributed.unwrap(self.model)
 
     # ---- checkpoints ----
 
@@ -335,9 +335,8 @@ class Trainer:
         logger.info("checkpoint at step %d: %s", self.step, self.checkpoint_path)
 
     def _check_config(self, saved: dict[str, Any]) -> None:
-        ours = self.cfg.comparable()
-        if self.world_size > 1:  # the sharded checkpoint's config went through JSON (tuples became lists)
-            ours = json.loads(json.dumps(ours))
+        # Compared as JSON: a sharded checkpoint's config went through it (tuples became lists).
+        saved, ours = json.loads(json.dumps(saved)), json.loads(json.dumps(self.cfg.comparable()))
         if saved != ours:
             changed = sorted(k for k in ours if saved.get(k) != ours[k])
             raise checkpoint.CheckpointError(

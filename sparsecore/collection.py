@@ -19,7 +19,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from sparsecore.config import SparseCoreEmbeddingConfig, TorchRecConfig, as_sparsecore_config
 from sparsecore.errors import InputError
-from sparsecore.executor import Pending, executor_for
+from sparsecore.executor import Pending, completed, executor_for, run_on
 from sparsecore.fused import exchanged_update, fused_lookup, fused_update, placeholder, trained_rows
 from sparsecore.fused_optimizer import FusedOptimizer, StepCount, TableState
 from sparsecore.kernels import lookup
@@ -228,7 +228,7 @@ class SparseCoreCollection(nn.Module):
             return trained_rows(self._placeholder, lookup(weight, *args), self._update_of(stack, args))
         return fused_lookup(self._placeholder, weight, list(self._optimizer_state[stack.name].values()),
                             self._steps[stack.name], self._hyper, *args, self._optimizer.kernel_code,
-                            self._deferred_updates and weight.device.type == "tpu")
+                            self._defers_updates)
 
     def _update_of(self, stack: StackSpec, coo: tuple) -> Callable[[torch.Tensor], None]:
         """The stack's optimizer step for a batch's ``coo``, given its output's gradient."""
@@ -237,8 +237,7 @@ class SparseCoreCollection(nn.Module):
         exchange = self._row_exchanges.get(stack.name)
         if exchange is not None:
             return functools.partial(exchanged_update, *state, exchange, stack.rows_per_sparsecore)
-        deferred = self._deferred_updates and self._device.type == "tpu"
-        return functools.partial(fused_update, *state, deferred)
+        return functools.partial(fused_update, *state, self._defers_updates)
 
     def _batch_of(self, features: KeyedJaggedTensor | PreprocessedBatch) -> PreprocessedBatch:
         batch = features if isinstance(features, PreprocessedBatch) else self.preprocess(features)
@@ -289,10 +288,19 @@ class SparseCoreCollection(nn.Module):
         must stay in the calling thread's order."""
         self._deferred_updates = enabled
 
+    @property
+    def _defers_updates(self) -> bool:
+        """Deferred updates asked for, and an executor to defer them to (the tpu's)."""
+        return self._deferred_updates and self._device.type == "tpu"
+
     def wait_for_updates(self) -> None:
         """Waits for the deferred updates queued so far (and raises their error, if any)."""
-        if self._deferred_updates and self._device.type == "tpu":
+        if self._defers_updates:
             executor_for(self._device).synchronize()
+
+    def close(self) -> None:
+        """Waits for the work in flight (this module has no threads of its own to stop)."""
+        self.wait_for_updates()
 
     def set_row_exchange(self, stack: str, exchange: Callable) -> None:
         """Splits the stack's fused backward around ``exchange(rows, grads) -> (rows, grads,
@@ -320,27 +328,18 @@ class SparseCoreCollection(nn.Module):
         pending = self._take_prefetched(features)
         if pending is not None:
             return pending
-        return self._pending(self._run_async("lookup", self._detached_lookups, features))
+        return self._pending(run_on(self._device, "lookup", self._detached_lookups, features))
 
     def _pending(self, looked_up: concurrent.futures.Future) -> Pending:
         return Pending(looked_up, lambda result: self._assemble(result[0], self._attach(*result)))
-
-    def _run_async(self, stage: str, fn: Callable, *args) -> concurrent.futures.Future:
-        if self._device.type != "tpu":
-            done: concurrent.futures.Future = concurrent.futures.Future()
-            done.set_result(fn(*args))
-            return done
-        return executor_for(self._device).run(stage, fn, *args)
 
     def prepare(self, features: KeyedJaggedTensor | PreprocessedBatch) -> concurrent.futures.Future:
         """Starts the host preprocessing of a batch (on the SparseCore executor, after the
         work queued there): the first stage of :meth:`prefetch`, which reads no weights,
         so it may run any time ahead."""
         if isinstance(features, PreprocessedBatch):
-            done: concurrent.futures.Future = concurrent.futures.Future()
-            done.set_result(features)
-            return done
-        return self._run_async("preprocess", self.preprocess, features)
+            return completed(features)
+        return run_on(self._device, "preprocess", self.preprocess, features)
 
     def prefetch(self, features: KeyedJaggedTensor | PreprocessedBatch,
                  prepared: concurrent.futures.Future | None = None) -> None:
@@ -350,7 +349,7 @@ class SparseCoreCollection(nn.Module):
         ``prepared``: the Future :meth:`prepare` returned for these features."""
         if prepared is None:
             prepared = self.prepare(features)
-        looked_up = self._run_async("lookup", lambda: self._detached_lookups(prepared.result()))
+        looked_up = run_on(self._device, "lookup", lambda: self._detached_lookups(prepared.result()))
         self._prefetched = (features, self._pending(looked_up))
 
     def _take_prefetched(self, features) -> Pending | None:

@@ -81,6 +81,20 @@ class Pending:
         return self._value
 
 
+def completed(value: Any) -> concurrent.futures.Future:
+    """A Future that is already done with ``value``."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    done.set_result(value)
+    return done
+
+
+def run_on(device: torch.device, stage: str, fn: Callable[..., Any], /, *args: Any) -> concurrent.futures.Future:
+    """``fn(*args)`` on the device's SparseCore executor; off the tpu (no executor) at once."""
+    if device.type != "tpu":
+        return completed(fn(*args))
+    return executor_for(device).run(stage, fn, *args)
+
+
 _executors: dict[torch.device, SparseCoreExecutor] = {}
 
 

@@ -28,6 +28,8 @@ Example (two features sharing one table)::
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
@@ -67,13 +69,18 @@ class SparseCoreEmbeddingBagCollection(SparseCoreCollection):
         (``_detached_lookups``, whose per-stack device COO ``coos`` are), given the gradient of
         its (B, features x dim) output and the hyperparameters to step with."""
         if self._column_order is not None:
-            grad = grad.index_select(1, torch.argsort(self._column_order).to(grad.device))
+            grad = grad.index_select(1, self._inverse_column_order.to(grad.device))
         widths = [len(s.feature_names) * s.embedding_dim for s in self._stacks]
         for stack, part in zip(self._stacks, grad.split(widths, dim=1)):
             # (B, F x D) is the stack's (bags, D) output viewed, bag f * B + b at row b * F + f.
             fused_update(self._weights[stack.name], list(self._optimizer_state[stack.name].values()),
                          self._steps[stack.name], hyper, coos[stack.name], self._optimizer.kernel_code, False,
                          part.contiguous().view(-1, stack.embedding_dim))
+
+    @functools.cached_property
+    def _inverse_column_order(self) -> torch.Tensor:
+        """The stacked blocks' column of each of TorchRec's columns (the inverse of ``_column_order``)."""
+        return torch.argsort(self._column_order)
 
     @property
     def _column_order(self) -> torch.Tensor | None:

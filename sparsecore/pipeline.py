@@ -154,8 +154,8 @@ class TrainPipeline:
                 self._optimizer.step()
         self._current = upcoming
         self._done = upcoming is None
-        for module in self.modules:
-            _raise_update_errors(module)
+        for device in {m._device for m in self.modules if m._device.type == "tpu"}:
+            executor_for(device).raise_deferred_error()
         return output
 
     def synchronize(self) -> None:
@@ -168,19 +168,12 @@ class TrainPipeline:
         for module in self.modules:
             module.wait_for_updates()
 
-
     def close(self) -> None:
-        """Finishes the work in flight and stops the sharded modules' own threads; the
-        pipeline takes no more batches. Call it before destroying the process group."""
+        """Finishes the work in flight and stops the modules' own threads (the sharded ones'
+        input distribution); the pipeline takes no more batches. Call it before destroying
+        the process group."""
         self.synchronize()
         self._current, self._done = None, True
         for module in self.modules:
-            if isinstance(module, ShardedSparseCoreCollection):
-                module.close()
-
-
-def _raise_update_errors(module: SparseModule) -> None:
-    device = module._device
-    if device.type == "tpu":
-        executor_for(device).raise_deferred_error()
+            module.close()
 

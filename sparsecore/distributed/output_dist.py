@@ -126,7 +126,8 @@ class OutputDist:
         self.gathers, self.widths, self.group = gathers, widths, group
         self.replicated_width = replicated_width
         self._device_gathers: dict[torch.device, list[torch.Tensor | None]] = {}
-        self._runs = column_runs(gathers[0], [*widths, replicated_width])
+        # Columns that have one source each (nothing row-sharded): placed by the exchange itself.
+        self._runs = column_runs(gathers[0], [*widths, replicated_width]) if len(gathers) == 1 else None
         self._anchor: dict[torch.device, torch.Tensor] = {}
         self.sent = ByteCounter(rank)
         """Bytes of pooled rows (forward) and their gradients (backward) sent to other ranks."""
@@ -141,8 +142,7 @@ class OutputDist:
         if len(batch_sizes) == 1:  # one rank: its rows are already home
             joined = pooled if replicated is None else torch.cat([pooled, replicated], dim=1)
             return self._gather(joined)
-        # Columns that have one source each (not row-sharded): placed by the exchange itself.
-        runs = self._runs if len(self.gathers) == 1 else None
+        runs = self._runs
         args = (batch_sizes, batch_sizes[rank], self.widths, runs, self.group, self.sent)
         if torch.is_grad_enabled():
             args = (*args, deferred)

@@ -60,14 +60,17 @@ class ShardedSparseCoreEmbeddingCollection(ShardedSparseCoreCollection):
         self._routes = self._layout.routes()
         self._widths = {(s.rank, f): s.width for shards in self._layout.shards.values() for s in shards
                         for f in s.local_features}
+        # (rank, local feature) -> (module feature, its route there)
+        self._route_of = {(r.rank, r.local_feature): (f, r) for f, routes in self._routes.items() for r in routes}
         self._anchor = torch.zeros(0, device=self._device, requires_grad=True)
         self._sent = ByteCounter(self._rank)
 
     def embedding_configs(self):
         return [c.config for c in self._configs]
 
-    def _output_bytes(self) -> int:
-        return self._sent.bytes_sent
+    def bytes_sent(self) -> dict[str, int]:
+        """Bytes this rank has sent to other ranks so far: ids (input), rows and their gradients (output)."""
+        return {"input": self._input_dist.bytes_sent, "output": self._sent.bytes_sent}
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         own = {f: (jt.values().cpu().long(), jt.lengths().cpu().long()) for f, jt in features.to_dict().items()}
@@ -78,7 +81,8 @@ class ShardedSparseCoreEmbeddingCollection(ShardedSparseCoreCollection):
         received = self._exchange_rows(local_batch, batch_sizes, own)
         out: dict[str, JaggedTensor] = {}
         if self.replicas is not None:
-            replicated = {f: truncated.to_dict()[f] for c in self._layout.replicated for f in c.feature_names}
+            jagged = truncated.to_dict()
+            replicated = {f: jagged[f] for c in self._layout.replicated for f in c.feature_names}
             out.update(self.replicas(KeyedJaggedTensor.from_jt_dict(replicated)))
         for feature, routes in self._routes.items():
             values, lengths = own[feature]
@@ -112,13 +116,9 @@ class ShardedSparseCoreEmbeddingCollection(ShardedSparseCoreCollection):
         return {(rank, lf): piece.view(count, self._widths[(rank, lf)])
                 for (rank, lf, count), piece in zip(expected, exchanged.split(sizes))}
 
-    def _route_of(self, rank: int, local_feature: str) -> tuple[str, Route]:
-        return next((f, r) for f, routes in self._routes.items() for r in routes
-                    if r.rank == rank and r.local_feature == local_feature)
-
     def _ids_routed(self, rank: int, local_feature: str, own: dict) -> int:
         """How many of this rank's ids went to ``local_feature`` on ``rank``."""
-        feature, route = self._route_of(rank, local_feature)
+        feature, route = self._route_of[(rank, local_feature)]
         values = own[feature][0]
         if route.rows is None:
             return values.numel()

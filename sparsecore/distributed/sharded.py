@@ -25,7 +25,7 @@ from sparsecore.distributed.layout import ShardLayout
 from sparsecore.distributed.output_dist import OutputDist
 from sparsecore.distributed.plan import COLUMN_WISE, ShardingPlan, default_plan
 from sparsecore.distributed.row_exchange import merge_across_ranks, whole_row_statistic
-from sparsecore.executor import Pending, executor_for
+from sparsecore.executor import Pending, completed, executor_for, run_on
 from sparsecore.collection import SparseCoreCollection
 from sparsecore.modules import SparseCoreEmbeddingBagCollection
 from sparsecore.optim import RowWiseAdagrad
@@ -210,9 +210,7 @@ class ShardedSparseCoreCollection(nn.Module):
 
     def prepare(self, features: KeyedJaggedTensor) -> concurrent.futures.Future:
         """What a pipeline calls ahead of ``forward``; here nothing runs ahead (done at once)."""
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        done.set_result(features)
-        return done
+        return completed(features)
 
     def prefetch(self, features: KeyedJaggedTensor, prepared: concurrent.futures.Future | None = None) -> None:
         """What a pipeline calls after a backward; here ``forward`` does all its work itself."""
@@ -293,19 +291,13 @@ class ShardedSparseCoreEmbeddingBagCollection(ShardedSparseCoreCollection):
         if self._prefetched is not None and self._prefetched[0] is features:
             pending, self._prefetched = self._prefetched[1], None
             return pending
-        distributed: concurrent.futures.Future = concurrent.futures.Future()
-        distributed.set_result(self._input_dist(features))
-        return self._start_lookups(features, distributed)
+        return self._start_lookups(features, completed(self._input_dist(features)))
 
     def _start_lookups(self, features: KeyedJaggedTensor, distributed: concurrent.futures.Future) -> Pending:
         def lookups():
             return self._lookups(features, distributed.result()[0])
 
-        if self._device.type == "tpu":
-            looked_up = executor_for(self._device).run("lookup", lookups)
-        else:
-            looked_up = concurrent.futures.Future()
-            looked_up.set_result(lookups())
+        looked_up = run_on(self._device, "lookup", lookups)
 
         def finish(result) -> KeyedTensor:
             local_batch, batch_sizes = distributed.result()
@@ -334,8 +326,7 @@ class ShardedSparseCoreEmbeddingBagCollection(ShardedSparseCoreCollection):
         """Queues the local lookups of ``features`` now (after the deferred updates queued so
         far); the next forward of the same object takes them. ``prepared``: from :meth:`prepare`."""
         if prepared is None:
-            prepared = concurrent.futures.Future()
-            prepared.set_result(self._input_dist(features))
+            prepared = completed(self._input_dist(features))
         self._prefetched = (features, self._start_lookups(features, prepared))
 
     def close(self) -> None:

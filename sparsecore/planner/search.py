@@ -149,10 +149,9 @@ def plan_tables(tables: Sequence[TableSpec], topology: Topology, batch_size: int
             raise PlanningError(f"table {t.name!r}: none of its allowed sharding types {list(c.sharding_types)} "
                                 f"applies on {len(devices)} device(s)")
     # Lower bound: the cheapest total work spread evenly, and the costliest table's cheapest per-device part.
-    cheapest_total = sum(min(sum(s.step_s for s in p[2]) for p in options[t.name]) for t in tables)
-    cheapest_part = max(min(max(s.step_s for s in p[2]) for p in options[t.name]) for t in tables)
-    lower_bound = max(cheapest_total / chips, cheapest_part)
     cheapest = {t.name: min(sum(s.step_s for s in p[2]) for p in options[t.name]) for t in tables}
+    cheapest_part = max(min(max(s.step_s for s in p[2]) for p in options[t.name]) for t in tables)
+    lower_bound = max(sum(cheapest.values()) / chips, cheapest_part)
     order = sorted(tables, key=lambda t: -cheapest[t.name])
     remaining = sum(cheapest.values())  # the least work the tables not placed yet will add
     placements, failed = [], []
