@@ -33,7 +33,7 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def write_atomically(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         f.write(text)
@@ -44,6 +44,6 @@ def write(name: str, payload: dict[str, Any], table: str, out_dir: Path = DEFAUL
     """Writes <name>.json and <name>.md into out_dir; returns both paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
-    _write_atomically(json_path, json.dumps({"environment": environment(), **payload}, indent=2))
-    _write_atomically(md_path, f"# {name}\n\n{table}\n")
+    write_atomically(json_path, json.dumps({"environment": environment(), **payload}, indent=2))
+    write_atomically(md_path, f"# {name}\n\n{table}\n")
     return json_path, md_path

@@ -35,6 +35,9 @@ def default_num_sparsecores(device: torch.device) -> int:
     return 1
 
 
+COPY_SLICE_BYTES = 1 << 20
+
+
 def logical_to_physical(stack: StackSpec, table: str, device: torch.device | None = None) -> torch.Tensor:
     """Physical row of each logical row of a table (sparsecore.stacking's mod sharding)."""
     config = next(t for t in stack.tables if t.name == table)
@@ -184,19 +187,30 @@ class SparseCoreCollection(nn.Module):
         self.wait_for_updates()
         stack = self._stack_of(table)
         target = self._weights[stack.name]
-        rows = logical_to_physical(stack, table, target.device)
-        target.index_copy_(0, rows, weight.to(device=target.device, dtype=target.dtype))
+        rows = logical_to_physical(stack, table)
+        # In slices: a whole table's copy on the device, on top of the stacks, could be what
+        # does not fit in a full HBM.
+        step = max(1, COPY_SLICE_BYTES // max(1, target.shape[1] * target.element_size()))
+        for start in range(0, rows.numel(), step):
+            target.index_copy_(0, rows[start:start + step].to(target.device),
+                               weight[start:start + step].to(device=target.device, dtype=target.dtype))
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Initializes every table with its config's init_fn (as TorchRec does)."""
+        """Initializes every table with its config's init_fn (as TorchRec does).
+
+        init_fn fills a table in logical row order, which is not how its rows lie in the stack:
+        it runs on a host copy, one table at a time, so device memory never holds more than
+        the stacks (a device copy would need a table's worth of HBM on top, at the worst
+        moment: a plan that fills HBM would not survive its own construction)."""
+        if self._device.type == "meta":
+            return
         for t in self._configs:
-            weight = torch.empty(t.num_embeddings, t.embedding_dim, dtype=t.dtype, device=self._device)
-            if weight.device.type == "meta":
-                continue
+            weight = torch.empty(t.num_embeddings, t.embedding_dim, dtype=t.dtype)
             if t.init_fn is not None:
                 t.init_fn(weight)
             self.set_table_weight(t.name, weight)
+            del weight
 
     @property
     def stacks(self) -> list[StackSpec]:

@@ -8,11 +8,11 @@ model (cost.py) prices each shard's HBM bytes and step time; the search
 ``sparsecore-plan`` (``python -m sparsecore.planner``).
 """
 
-from sparsecore.planner.cost import CostModel, ShardCost, distinct_ids
-from sparsecore.planner.search import Constraint, PlanningError, PlanResult, plan, plan_tables
+from sparsecore.planner.cost import CostModel, ShardCost, distinct_ids, read_cost_model
+from sparsecore.planner.search import Constraint, PlanningError, PlanResult, evaluate, plan, plan_tables
 from sparsecore.planner.specs import SpecError, TableSpec, presets, read_preset, read_tables, tables_of
 from sparsecore.planner.topology import Topology, parse_topology
 
 __all__ = ["Constraint", "CostModel", "PlanResult", "PlanningError", "ShardCost", "SpecError", "TableSpec",
-           "Topology", "distinct_ids", "parse_topology", "plan", "plan_tables", "presets", "read_preset", "read_tables",
-           "tables_of"]
+           "Topology", "distinct_ids", "evaluate", "parse_topology", "plan", "plan_tables", "presets", "read_cost_model",
+           "read_preset", "read_tables", "tables_of"]

@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+from sparsecore.planner.cost import CostModel, read_cost_model
 from sparsecore.planner.report import as_json, as_text
 from sparsecore.planner.search import Constraint, PlanningError, plan_tables
 from sparsecore.planner.specs import SpecError, presets, read_preset, read_tables
@@ -43,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chips-per-host", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=65536, help="global batch")
     p.add_argument("--constraints", type=Path, default=None, help="JSON: {table: {sharding_types, ranks}}")
+    p.add_argument("--cost-model", type=Path, default=None,
+                   help="cost model JSON (fitted by benchmarks/planner_calibration.py; default: TPU priors)")
     p.add_argument("--out", type=Path, default=None, help="write the ShardingPlan JSON here")
     p.add_argument("--format", choices=["table", "json", "markdown"], default="table")
     a = p.parse_args(argv)
@@ -53,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
                                   chips_per_host=a.chips_per_host)
         tables = read_tables(a.tables) if a.tables is not None else read_preset(a.model)
         constraints = read_constraints(a.constraints) if a.constraints else None
-        result = plan_tables(tables, topology, a.batch_size, constraints=constraints)
+        model = read_cost_model(a.cost_model) if a.cost_model else CostModel()
+        result = plan_tables(tables, topology, a.batch_size, constraints=constraints, model=model)
     except (SpecError, PlanningError, ValueError) as error:
         print(f"sparsecore-plan: error: {error}", file=sys.stderr)
         return 2

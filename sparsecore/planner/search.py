@@ -5,14 +5,16 @@ Tables go largest cost first; each takes the proposal — table-wise on one
 device, column-wise over k devices, row-wise over all devices or one host's
 (table-row-wise), data-parallel everywhere — that leaves the slowest device
 fastest (then the one adding the least time, then the least memory), among
-those that fit. The lower bound is the larger of the total work spread evenly
-and the cheapest per-device cost of the costliest table; the plan reports its
-gap to it.
+those that fit; then tables move off the slowest device while that lowers
+it. The lower bound (``_lower_bound``) is the least step time T for which
+every table has a proposal no part of which exceeds T and the cheapest such
+proposals' work, spread evenly, fits in T; the plan reports its gap to it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Mapping, Sequence
 
@@ -28,7 +30,15 @@ from sparsecore.distributed.plan import (
     ShardingPlan,
     TableSharding,
 )
-from sparsecore.planner.cost import ID_BYTES, CostModel, ShardCost, distinct_ids, shard_cost
+from sparsecore.planner.cost import (
+    EXCHANGES_PER_STEP,
+    ID_BYTES,
+    CostModel,
+    ShardCost,
+    distinct_ids,
+    exchange_seconds,
+    shard_cost,
+)
 from sparsecore.planner.specs import TableSpec
 from sparsecore.planner.topology import Topology
 
@@ -80,10 +90,10 @@ class PlanResult:
         return self.max_step_s / self.lower_bound_s - 1 if self.lower_bound_s > 0 else 0.0
 
 
-def _proposals(table: TableSpec, topology: Topology, batch: int, model: CostModel, allowed: Sequence[str],
-               devices: Sequence[int]) -> list[tuple[str, list[tuple[int, ...]], list[ShardCost], tuple | None]]:
-    """(type, device sets to choose among, per-shard costs, column widths) per allowed type."""
-    n = len(devices)
+def sharding_costs(table: TableSpec, kind: str, shards: int, topology: Topology, batch: int, model: CostModel,
+                   column_widths: Sequence[int] | None = None) -> list[ShardCost]:
+    """The per-shard costs of ``table`` sharded ``kind`` over ``shards`` devices (column_wise:
+    one shard per width of ``column_widths``)."""
     ids = batch * table.pooling_factor
     remote = (topology.chips - 1) / topology.chips
 
@@ -91,36 +101,120 @@ def _proposals(table: TableSpec, topology: Topology, batch: int, model: CostMode
         return shard_cost(table, rows=rows, width=width, ids=shard_ids, out_rows=out_rows, remote_share=remote_share,
                           batch_ids_for_state=ids, topology=topology, model=model)
 
+    if kind == TABLE_WISE:
+        return [cost(table.num_embeddings, table.embedding_dim, ids, batch)]
+    if kind == COLUMN_WISE:
+        return [cost(table.num_embeddings, width, ids, batch) for width in column_widths]
+    if kind in (ROW_WISE, TABLE_ROW_WISE):
+        return [cost(-(-table.num_embeddings // shards), table.embedding_dim, ids / shards, batch)] * shards
+    if kind == DATA_PARALLEL:
+        # A replica looks up its own samples, then updates every row the global batch touched,
+        # with the row gradients (and ids) every other replica sends it.
+        local = cost(table.num_embeddings, table.embedding_dim, ids / shards, batch / shards, remote_share=0.0)
+        every_row = cost(table.num_embeddings, table.embedding_dim, ids, 0, remote_share=0.0)
+        distinct = distinct_ids(ids, table.num_embeddings, table.zipf_alpha)
+        gradients = remote * distinct * (ID_BYTES + table.embedding_dim * 4)
+        exchange = exchange_seconds(gradients, topology, model) + 2 * model.exchange_s
+        return [ShardCost(local.hbm_bytes, local.compute_s + every_row.compute_s - model.shard_s, exchange)] * shards
+    raise ValueError(f"unknown sharding type {kind!r}; expected one of {list(SHARDING_TYPES)}")
+
+
+def _proposals(table: TableSpec, topology: Topology, batch: int, model: CostModel, allowed: Sequence[str],
+               devices: Sequence[int]) -> list[tuple[str, list[tuple[int, ...]], list[ShardCost], tuple | None]]:
+    """(type, device sets to choose among, per-shard costs, column widths) per allowed type."""
+    n = len(devices)
+
+    def costs(kind: str, shards: int, widths: tuple[int, ...] | None = None) -> list[ShardCost]:
+        return sharding_costs(table, kind, shards, topology, batch, model, widths)
+
     out = []
     if TABLE_WISE in allowed:
-        out.append((TABLE_WISE, [(d,) for d in devices], [cost(table.num_embeddings, table.embedding_dim, ids, batch)],
-                    None))
+        out.append((TABLE_WISE, [(d,) for d in devices], costs(TABLE_WISE, 1), None))
     if COLUMN_WISE in allowed:
         k = 2
         while k <= n and table.embedding_dim % k == 0 and table.embedding_dim // k >= MIN_COLUMN_WIDTH:
-            width = table.embedding_dim // k
-            out.append((COLUMN_WISE, [], [cost(table.num_embeddings, width, ids, batch)] * k, (width,) * k))
+            widths = (table.embedding_dim // k,) * k
+            out.append((COLUMN_WISE, [], costs(COLUMN_WISE, k, widths), widths))
             k *= 2
     if ROW_WISE in allowed and n > 1:
-        rows = -(-table.num_embeddings // n)
-        out.append((ROW_WISE, [tuple(devices)], [cost(rows, table.embedding_dim, ids / n, batch)] * n, None))
+        out.append((ROW_WISE, [tuple(devices)], costs(ROW_WISE, n), None))
     if TABLE_ROW_WISE in allowed and len(topology.hosts) > 1:
         size = len(topology.hosts[0])  # a last, smaller host (chips not a multiple) is left out
         hosts = [h for h in topology.hosts if len(h) == size and set(h) <= set(devices)]
         if hosts:
-            rows = -(-table.num_embeddings // size)
-            out.append((TABLE_ROW_WISE, hosts, [cost(rows, table.embedding_dim, ids / size, batch)] * size, None))
+            out.append((TABLE_ROW_WISE, hosts, costs(TABLE_ROW_WISE, size), None))
     if DATA_PARALLEL in allowed and n == topology.chips:
-        # A replica looks up its own samples, then updates every row the global batch touched,
-        # with the row gradients (and ids) every other replica sends it.
-        local = cost(table.num_embeddings, table.embedding_dim, ids / n, batch / n, remote_share=0.0)
-        every_row = cost(table.num_embeddings, table.embedding_dim, ids, 0, remote_share=0.0)
-        distinct = distinct_ids(ids, table.num_embeddings, table.zipf_alpha)
-        gradients = remote * distinct * (ID_BYTES + table.embedding_dim * 4)
-        exchange_s = gradients / (topology.ici_gbps * 1e9 * model.ici_efficiency)
-        out.append((DATA_PARALLEL, [tuple(devices)],
-                    [ShardCost(local.hbm_bytes, local.compute_s + every_row.compute_s, exchange_s)] * n, None))
+        out.append((DATA_PARALLEL, [tuple(devices)], costs(DATA_PARALLEL, n), None))
     return out
+
+
+def device_baseline(tables: Sequence[TableSpec], topology: Topology, batch_size: int,
+                    model: CostModel) -> tuple[int, float]:
+    """What every device carries whatever the plan: (bytes, seconds). Sharded over several
+    devices, each receives its samples' pooled rows of every table (and their gradients) and
+    takes part in every step's exchanges."""
+    if topology.chips == 1:
+        return 0, 0.0
+    local = batch_size / topology.chips
+    received = sum(int(local * t.embedding_dim * 4 * 2) for t in tables)
+    return received, EXCHANGES_PER_STEP * model.exchange_s
+
+
+class _Loads:
+    """Every device's HBM bytes and step time as tables are placed."""
+
+    def __init__(self, used: np.ndarray, compute: np.ndarray, comm: np.ndarray, capacity: int):
+        self.used, self.compute, self.comm, self.capacity = used, compute, comm, capacity
+
+    def add(self, placement: Placement, sign: int = 1) -> None:
+        index = np.array(placement.ranks)
+        self.used[index] += [sign * s.hbm_bytes for s in placement.costs]
+        self.compute[index] += [sign * s.compute_s for s in placement.costs]
+        self.comm[index] += [sign * s.comm_s for s in placement.costs]
+
+    def best_placement(self, table: TableSpec, proposals: list, constraint: Constraint,
+                       remaining: float) -> tuple[tuple, Placement] | None:
+        """(score, placement) of the proposal that leaves the slowest device fastest (then adds
+        the least time, then the least memory) among those that fit; None if none fits."""
+        load = self.compute + self.comm
+        chips = len(load)
+        best = None
+        for kind, device_sets, costs, widths in proposals:
+            need = np.array([s.hbm_bytes for s in costs])
+            step = np.array([s.step_s for s in costs])
+            for ranks in _candidate_sets(kind, device_sets, load, self.used, need, self.capacity, len(costs),
+                                         constraint.ranks or tuple(range(chips))):
+                after = load.copy()
+                after[np.array(ranks)] += step
+                # The slowest device now, or the average once the rest is placed at its cheapest:
+                # spreading a table over every device (data_parallel) must pay for all it adds.
+                projected = max(float(after.max()), (float(after.sum()) + remaining) / chips)
+                score = (projected, float(step.sum()), int(need.sum()))
+                if best is None or score < best[0]:
+                    best = (score, Placement(table.name, kind, tuple(ranks), tuple(costs), widths))
+        return best
+
+    def rebalance(self, placements: dict[str, Placement], tables: Mapping[str, TableSpec],
+                  options: Mapping[str, list], constraints: Mapping[str, Constraint], rounds: int) -> None:
+        """Greedy order leaves some devices high: moves tables off the slowest device, one at a
+        time, while that lowers it."""
+        for _ in range(rounds):
+            load = self.compute + self.comm
+            slowest = int(load.argmax())
+            peak = float(load[slowest])
+            on_it = sorted((p for p in placements.values() if slowest in p.ranks),
+                           key=lambda p: -p.costs[p.ranks.index(slowest)].step_s)
+            for placement in on_it:
+                self.add(placement, -1)
+                best = self.best_placement(tables[placement.table], options[placement.table],
+                                           constraints.get(placement.table, Constraint()), 0.0)
+                if best is not None and best[0][0] < peak * (1 - 1e-9):
+                    self.add(best[1])
+                    placements[placement.table] = best[1]
+                    break
+                self.add(placement)
+            else:
+                return
 
 
 def plan_tables(tables: Sequence[TableSpec], topology: Topology, batch_size: int, *,
@@ -135,9 +229,10 @@ def plan_tables(tables: Sequence[TableSpec], topology: Topology, batch_size: int
         raise PlanningError(f"constraints name unknown tables {unknown}")
     chips = topology.chips
     capacity = int(topology.hbm_bytes * (1 - model.reserved_fraction))
-    used = np.zeros(chips, dtype=np.int64)
+    base_bytes, base_s = device_baseline(tables, topology, batch_size, model)
+    used = np.full(chips, base_bytes, dtype=np.int64)
     compute = np.zeros(chips)
-    comm = np.zeros(chips)
+    comm = np.full(chips, base_s)
     options = {}
     for t in tables:
         c = constraints.get(t.name, Constraint())
@@ -148,43 +243,55 @@ def plan_tables(tables: Sequence[TableSpec], topology: Topology, batch_size: int
         if not options[t.name]:
             raise PlanningError(f"table {t.name!r}: none of its allowed sharding types {list(c.sharding_types)} "
                                 f"applies on {len(devices)} device(s)")
-    # Lower bound: the cheapest total work spread evenly, and the costliest table's cheapest per-device part.
-    cheapest = {t.name: min(sum(s.step_s for s in p[2]) for p in options[t.name]) for t in tables}
-    cheapest_part = max(min(max(s.step_s for s in p[2]) for p in options[t.name]) for t in tables)
-    lower_bound = max(sum(cheapest.values()) / chips, cheapest_part)
+    lower_bound, cheapest = _lower_bound(options, base_s, chips)
     order = sorted(tables, key=lambda t: -cheapest[t.name])
     remaining = sum(cheapest.values())  # the least work the tables not placed yet will add
-    placements, failed = [], []
+    state = _Loads(used, compute, comm, capacity)
+    placements, failed = {}, []
     for t in order:
         remaining -= cheapest[t.name]
-        best = None
-        for kind, device_sets, costs, widths in options[t.name]:
-            need = np.array([s.hbm_bytes for s in costs])
-            step = np.array([s.step_s for s in costs])
-            for ranks in _candidate_sets(kind, device_sets, compute + comm, used, need, capacity, len(costs),
-                                         constraints.get(t.name, Constraint()).ranks or tuple(range(chips))):
-                index = np.array(ranks)
-                after = (compute + comm).copy()
-                after[index] += step
-                # The slowest device now, or the average once the rest is placed at its cheapest:
-                # spreading a table over every device (data_parallel) must pay for all it adds.
-                projected = max(float(after.max()), (float(after.sum()) + remaining) / chips)
-                score = (projected, float(step.sum()), int(need.sum()))
-                if best is None or score < best[0]:
-                    best = (score, kind, ranks, costs, widths)
+        best = state.best_placement(t, options[t.name], constraints.get(t.name, Constraint()), remaining)
         if best is None:
             failed.append(t)
             continue
-        _, kind, ranks, costs, widths = best
-        index = np.array(ranks)
-        used[index] += [s.hbm_bytes for s in costs]
-        compute[index] += [s.compute_s for s in costs]
-        comm[index] += [s.comm_s for s in costs]
-        placements.append(Placement(t.name, kind, tuple(ranks), tuple(costs), widths))
+        state.add(best[1])
+        placements[t.name] = best[1]
     if failed:
         raise PlanningError(_infeasible(failed, options, capacity, used))
+    state.rebalance(placements, {t.name: t for t in tables}, options, constraints, rounds=min(len(tables), 200))
+    placements = list(placements.values())
+    return _result(tables, placements, topology, used, compute, comm, capacity, lower_bound, started)
+
+
+def _lower_bound(options: Mapping[str, list], base_s: float, chips: int) -> tuple[float, dict[str, float]]:
+    """(the bound, each table's cheapest total cost). A plan whose slowest device takes T
+    gives every table a proposal whose costliest part is at most T, and spreads the totals
+    of those proposals over the chips: T >= max(part, sum of the cheapest such totals / chips).
+    The bound is the least T that satisfies this (memory left aside), over what every device
+    carries anyway."""
+    cheapest = {name: min(sum(s.step_s for s in p[2]) for p in props) for name, props in options.items()}
+    events = sorted((max(s.step_s for s in p[2]), sum(s.step_s for s in p[2]), i)
+                    for i, props in enumerate(options.values()) for p in props)
+    best_total = [math.inf] * len(options)
+    uncovered, spread, bound = len(options), 0.0, math.inf
+    for part, total, i in events:  # T rising through every proposal's costliest part
+        if total < best_total[i]:
+            if best_total[i] == math.inf:
+                uncovered -= 1
+                spread += total
+            else:
+                spread += total - best_total[i]
+            best_total[i] = total
+        if not uncovered:
+            bound = min(bound, max(part, spread / chips))
+    return base_s + bound, cheapest
+
+
+def _result(tables: Sequence[TableSpec], placements: list[Placement], topology: Topology, used: np.ndarray,
+            compute: np.ndarray, comm: np.ndarray, capacity: int, lower_bound: float, started: float) -> PlanResult:
     by_name = {p.table: p for p in placements}
-    plan = ShardingPlan(world_size=chips, chip=topology.chip, sparsecores_per_chip=topology.sparsecores_per_chip,
+    plan = ShardingPlan(world_size=topology.chips, chip=topology.chip,
+                        sparsecores_per_chip=topology.sparsecores_per_chip,
                         hosts=topology.hosts if len(topology.hosts) > 1 else None,
                         tables={t.name: TableSharding(sharding_type=by_name[t.name].sharding_type,
                                                       ranks=by_name[t.name].ranks,
@@ -193,6 +300,37 @@ def plan_tables(tables: Sequence[TableSpec], topology: Topology, batch_size: int
     return PlanResult(plan=plan, placements=[by_name[t.name] for t in tables], device_bytes=used,
                       device_compute_s=compute, device_comm_s=comm, capacity_bytes=capacity,
                       lower_bound_s=lower_bound, planning_s=time.perf_counter() - started)
+
+
+def evaluate(plan: ShardingPlan, tables: Sequence[TableSpec], topology: Topology, batch_size: int, *,
+             model: CostModel = CostModel()) -> PlanResult:
+    """A given plan (written by hand, or another planner's) priced by the cost model as
+    ``plan_tables`` prices its own; devices over capacity show in ``device_bytes``."""
+    started = time.perf_counter()
+    missing = sorted({t.name for t in tables} - set(plan.tables))
+    if missing or plan.world_size != topology.chips:
+        raise PlanningError(f"the plan does not cover these tables on {topology.chips} chips: missing {missing}, "
+                            f"plan world size {plan.world_size}")
+    base_bytes, base_s = device_baseline(tables, topology, batch_size, model)
+    used = np.full(topology.chips, base_bytes, dtype=np.int64)
+    compute = np.zeros(topology.chips)
+    comm = np.full(topology.chips, base_s)
+    placements = []
+    for t in tables:
+        sharding = plan.tables[t.name]
+        costs = sharding_costs(t, sharding.sharding_type, len(sharding.ranks), topology, batch_size, model,
+                               sharding.column_widths)
+        for rank, cost in zip(sharding.ranks, costs):
+            used[rank] += cost.hbm_bytes
+            compute[rank] += cost.compute_s
+            comm[rank] += cost.comm_s
+        placements.append(Placement(t.name, sharding.sharding_type, tuple(sharding.ranks), tuple(costs),
+                                    sharding.column_widths))
+    options = {t.name: _proposals(t, topology, batch_size, model, SHARDING_TYPES, tuple(range(topology.chips)))
+               for t in tables}
+    lower_bound, _ = _lower_bound(options, base_s, topology.chips)
+    capacity = int(topology.hbm_bytes * (1 - model.reserved_fraction))
+    return _result(tables, placements, topology, used, compute, comm, capacity, lower_bound, started)
 
 
 def _candidate_sets(kind, device_sets, load, used, need, capacity, shards, allowed):

@@ -1,5 +1,6 @@
 """sparsecore.planner: storage arithmetic, the sharding types it picks, constraints, infeasible input, the CLI."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -192,3 +193,77 @@ def test_plan_of_a_module_takes_its_tables_and_optimizer():
     result.plan.validate(ebc._configs)
     with pytest.raises(SpecError, match="unknown tables \\['c'\\]"):
         tables_of(ebc, {"c": 1.0})
+
+
+def test_the_lower_bound_is_below_every_plan_and_ours_is_optimal_on_a_small_case():
+    # Exhaustive over table-wise and row-wise on 2 chips: no plan beats the bound, and the
+    # planner finds the best one.
+    import itertools
+
+    from sparsecore.distributed import TableSharding
+    from sparsecore.planner import evaluate
+
+    tables = [TableSpec(name=f"t{i}", num_embeddings=rows, embedding_dim=64, pooling_factor=pooling)
+              for i, (rows, pooling) in enumerate([(50_000, 10), (20_000, 4), (5_000, 7), (1_000, 1), (80_000, 2)])]
+    top = topology(chips=2, hbm=8 * GiB)
+    allowed = {t.name: Constraint(sharding_types=("table_wise", "row_wise")) for t in tables}
+    ours = plan_tables(tables, top, 4096, constraints=allowed)
+    choices = [TableSharding(sharding_type="table_wise", ranks=(0,)), TableSharding(sharding_type="table_wise", ranks=(1,)),
+               TableSharding(sharding_type="row_wise", ranks=(0, 1))]
+    best = min(evaluate(ShardingPlan(world_size=2, tables=dict(zip([t.name for t in tables], pick))), tables, top,
+                        4096).max_step_s for pick in itertools.product(choices, repeat=len(tables)))
+    assert ours.lower_bound_s <= best * (1 + 1e-9)
+    assert ours.max_step_s == pytest.approx(best, rel=1e-9)
+
+
+def test_evaluate_prices_a_plan_as_the_planner_did():
+    from sparsecore.planner import evaluate
+
+    tables = [TableSpec(name=f"t{i}", num_embeddings=10_000 * (i + 1), embedding_dim=64, pooling_factor=i + 1)
+              for i in range(6)]
+    result = plan_tables(tables, topology(chips=4), 2048)
+    again = evaluate(result.plan, tables, topology(chips=4), 2048)
+    np.testing.assert_array_equal(again.device_bytes, result.device_bytes)
+    np.testing.assert_allclose(again.device_step_s, result.device_step_s, rtol=1e-12)
+    with pytest.raises(PlanningError, match="missing"):
+        evaluate(result.plan, tables + [TableSpec(name="extra", num_embeddings=10, embedding_dim=8)],
+                 topology(chips=4), 2048)
+
+
+def test_fit_recovers_the_constants_that_made_the_samples():
+    from sparsecore.planner import CostModel
+    from sparsecore.planner.fit import ExchangeSample, engine_step, fit_cost_model, predicted_seconds
+
+    top = topology()
+    truth = CostModel(hbm_efficiency=0.01, ici_efficiency=0.004, id_s=5e-9, shard_s=2e-5, exchange_s=3e-4)
+    steps = []
+    for count, batch, pooling, alpha, optimizer in [(26, 8192, 1, None, "sgd"), (26, 8192, 20, 1.05, "rowwise_adagrad"),
+                                                    (10, 4096, 100, None, "adam"), (3, 65536, 5, 1.2, "sgd"),
+                                                    (40, 1024, 2, None, "rowwise_adagrad")]:
+        tables = [TableSpec(name=f"t{i}", num_embeddings=1000 * (i + 1) ** 2, embedding_dim=64,
+                            pooling_factor=pooling, zipf_alpha=alpha, optimizer=optimizer) for i in range(count)]
+        steps.append(engine_step(tables, batch, 1.0))
+    steps = [dataclasses.replace(s, seconds=predicted_seconds(s, top, truth)) for s in steps]
+    exchanges = [ExchangeSample(b, 0.0) for b in (4096, 1 << 20, 1 << 24)]
+    exchanges = [dataclasses.replace(e, seconds=predicted_seconds(e, top, truth)) for e in exchanges]
+    fitted = fit_cost_model(steps, exchanges, top)
+    for field in ("hbm_efficiency", "ici_efficiency", "id_s", "shard_s", "exchange_s"):
+        assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=1e-6), field
+    with pytest.raises(ValueError, match=">= 3 compute"):
+        fit_cost_model(steps[:2], exchanges, top)
+
+
+def test_cli_takes_a_fitted_cost_model(tmp_path):
+    from sparsecore.planner import CostModel
+
+    slow_ici = tmp_path / "cost_model.json"
+    slow_ici.write_text(json.dumps(CostModel(ici_efficiency=1e-4, fitted_from="test").to_dict()))
+    args = ["--model", "criteo-kaggle", "--topology", "v5p:4", "--format", "json"]
+    default, fitted = cli(*args), cli(*args, "--cost-model", str(slow_ici))
+    assert default.returncode == fitted.returncode == 0, (default.stderr, fitted.stderr)
+    # Exchanges 7000x dearer: the slowest device's estimate grows.
+    assert json.loads(fitted.stdout)["summary"]["max_step_ms"] > json.loads(default.stdout)["summary"]["max_step_ms"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"hbm_speed": 1}))
+    failed = cli(*args, "--cost-model", str(bad))
+    assert failed.returncode == 2 and "unknown field(s) ['hbm_speed']" in failed.stderr
