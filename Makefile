@@ -42,6 +42,11 @@ bench: setup
 	$(PY) -m benchmarks.op_coverage
 	$(PY) -m benchmarks.collectives
 	$(PY) -m benchmarks.dlrm_distributed
+	OMP_NUM_THREADS=1 $(PY) -m benchmarks.embedding --dims 32,64,128 --shapes 8192x1,8192x20,8192x100 \
+		--dists uniform,zipf1.05 --phases forward,rowwise_adagrad,sgd --subset-shapes all --cell-budget 2 \
+		--out benchmarks/results/one_thread
+	$(PY) -m benchmarks.planner_calibration
+	$(PY) -m benchmarks.planner
 
 clean:
 	rm -rf build torch_tpu/_core.so sparsecore/_kernels.so $(VENV)/.installed

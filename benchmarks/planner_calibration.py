@@ -1,28 +1,36 @@
-"""The planner's cost model fitted to measured runs, then checked against real sharded runs.
+"""The planner's cost model fitted to measured runs, then checked against other real sharded runs.
 
 ``python -m benchmarks.planner_calibration [--embedding-json PATH] [--collectives-json PATH]
 [--batch 2048] [--world 2]``
 
-1. Fit: the constants of ``sparsecore.planner.CostModel`` from the embedding
-   benchmark's JSON (the SparseCore engine's step over 26 Criteo tables per
-   cell: batch, pooling, dim, id distribution, optimizer) and the collectives
-   benchmark's (tpu_dist all_to_all time by size), by
-   ``sparsecore.planner.fit.fit_cost_model``. Written as
+1. Fit (``sparsecore.planner.fit.fit_cost_model``): the exchange constants
+   (ICI efficiency, latency) from the collectives benchmark's JSON (tpu_dist
+   all_to_all time by size); the compute constants (HBM efficiency, per id,
+   per shard, per routed id and table, per gathered row, per row statistic)
+   from the embedding benchmark's JSON (the engine's step over 26 Criteo
+   tables per cell: batch, pooling, dim, id distribution, optimizer) and from
+   ``--world`` processes training a fit set (criteo-kaggle's rows, seeded
+   pooling factors 1-50) under six hand-made plans (each rank's SparseCore
+   work timed alone, and each plan's step). Written as
    ``results/cost_model.json``: ``sparsecore-plan --cost-model`` takes it.
-2. Check: ``--world`` processes on this machine train the same tables (the
-   MLPerf DLRM-DCNv2 preset's pooling factors, rows capped, dim 64, row-wise
-   Adagrad, uniform ids) under several plans — the planner's and hand-made
-   ones from balanced to lopsided. Per plan and rank: predicted vs measured
-   SparseCore time (the rank's own lookups and updates on the ids the input
-   distribution gave it, timed without the exchanges) and HBM (predicted
+2. Check, on tables the fit never saw (the MLPerf DLRM-DCNv2 preset's rows
+   and pooling factors; rows capped, dim 64, row-wise Adagrad, uniform ids):
+   the planner's plan and the six hand-made ones, balanced to lopsided. Per
+   plan and rank: predicted vs measured SparseCore time and HBM (predicted
    bytes vs ``torch.tpu.max_memory_allocated()``); per plan: the slowest
    device's predicted step vs the measured step. Then whether the plans rank
-   the same by prediction and by measurement (Kendall's tau; 1 = the same order).
+   alike (Kendall's tau; and of the pairs measured apart by more than their
+   rounds' spread, how many the prediction orders alike).
 
-Run the embedding and collectives benchmarks first, with the ranks' thread
-count (1 per rank on a 2-core machine: ``OMP_NUM_THREADS=1 python -m
-benchmarks.embedding ...``); a mismatch is reported. Writes
-``results/planner_calibration.{json,md}`` and ``results/cost_model.json``.
+Run the embedding benchmark first with the ranks' thread count (1 per rank
+on this 2-core machine), and the collectives benchmark::
+
+    OMP_NUM_THREADS=1 python -m benchmarks.embedding --dims 32,64,128 \
+        --shapes 8192x1,8192x20,8192x100 --dists uniform,zipf1.05 \
+        --phases forward,rowwise_adagrad,sgd --subset-shapes all --out benchmarks/results/one_thread
+    python -m benchmarks.collectives
+
+Writes ``results/planner_calibration.{json,md}`` and ``results/cost_model.json``.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -49,6 +58,7 @@ from benchmarks import report
 from benchmarks.collectives import supervise
 from sparsecore.distributed import COLUMN_WISE, DATA_PARALLEL, ROW_WISE, TABLE_WISE, ShardingPlan, TableSharding
 from sparsecore.planner import CostModel, TableSpec, Topology, evaluate, parse_topology, plan_tables, read_preset
+from sparsecore.planner.cost import compute_seconds
 from sparsecore.planner.fit import ComputeSample, ExchangeSample, engine_step, fit_cost_model, predicted_seconds
 from torch_tpu.chips import DEFAULT_CHIP
 from torch_tpu.distributed.local_ranks import free_port, start_local_ranks
@@ -89,35 +99,58 @@ def exchange_samples(collectives: dict[str, Any]) -> list[ExchangeSample]:
             for r in collectives["rows"] if r["collective"] == "all_to_all_single"]
 
 
-def fit(embedding_path: Path, collectives_path: Path, topology: Topology) -> tuple[CostModel, list[dict], int]:
-    """The fitted model, its per-sample errors, and the embedding benchmark's thread count."""
+def read_benchmarks(embedding_path: Path, collectives_path: Path) -> tuple[dict, dict]:
     try:
-        embedding, collectives = json.loads(embedding_path.read_text()), json.loads(collectives_path.read_text())
+        return json.loads(embedding_path.read_text()), json.loads(collectives_path.read_text())
     except OSError as error:
         raise SystemExit(f"{error}: run python -m benchmarks.embedding and python -m benchmarks.collectives "
                          "first (see this module's docstring)") from error
-    compute, exchanges = compute_samples(embedding), exchange_samples(collectives)
-    model = fit_cost_model(compute, exchanges, topology,
-                           fitted_from=f"{embedding_path.name} ({len(compute)} engine steps, commit "
-                                       f"{embedding.get('git', {}).get('head', '?')}), {collectives_path.name} "
-                                       f"({len(exchanges)} all_to_all sizes)")
-    errors = [{"sample": ("engine step" if isinstance(s, ComputeSample) else "all_to_all"),
-               "measured_ms": s.seconds * 1e3, "predicted_ms": predicted_seconds(s, topology, model) * 1e3}
-              for s in [*compute, *exchanges]]
-    return model, errors, embedding["environment"]["cpu_threads"]
+
+
+def run_samples(plans: dict[str, ShardingPlan], measured: list[dict], tables: list[TableSpec], topology: Topology,
+                batch: int) -> list[ComputeSample]:
+    """Per plan and rank, the rank's SparseCore work timed alone (its routing is not in it), and
+    per plan the whole step of its busiest rank (exchanges and routing in)."""
+    samples = []
+    for name, plan in plans.items():
+        work = evaluate(plan, tables, topology, batch).device_work
+        for rank, rows in enumerate(measured):
+            samples.append(ComputeSample(work=dataclasses.replace(work[rank], routed_ids=0.0),
+                                         seconds=rows[name]["sparsecore_ms"] / 1e3))
+        slowest = max(range(len(measured)), key=lambda r: measured[r][name]["sparsecore_ms"])
+        samples.append(ComputeSample(work=work[slowest], seconds=max(r[name]["step_ms"] for r in measured) / 1e3,
+                                     with_exchanges=True))
+    return [s for s in samples if s.seconds > 0 and s.work.shards > 0]
+
+
+def errors_of(samples: list, topology: Topology, model: CostModel) -> list[dict]:
+    return [{"sample": type(s).__name__, "measured_ms": s.seconds * 1e3,
+             "predicted_ms": predicted_seconds(s, topology, model) * 1e3} for s in samples]
 
 
 # ---------------------------------------------------------------- 2. the plans checked
 
 
-def check_tables() -> list[TableSpec]:
-    """The DLRM-DCNv2 preset's 26 tables as this machine can hold them several times over."""
+def preset_tables(preset: str) -> list[TableSpec]:
+    """A preset's 26 tables as this machine can hold them several times over."""
     return [dataclasses.replace(t, num_embeddings=min(t.num_embeddings, ROW_CAP), embedding_dim=DIM,
-                                optimizer="rowwise_adagrad") for t in read_preset("dlrm-dcnv2-criteo1tb")]
+                                optimizer="rowwise_adagrad") for t in read_preset(preset)]
 
 
-def candidate_plans(tables: list[TableSpec], topology: Topology, batch: int, model: CostModel) -> dict[str, ShardingPlan]:
-    """The planner's plan and hand-made ones, balanced to lopsided."""
+def fit_tables() -> list[TableSpec]:
+    """The criteo-kaggle preset's tables with 1 to 50 ids per sample (seeded), unlike the
+    check set's rows and pooling factors."""
+    pooling = np.random.default_rng(1).choice([1, 2, 5, 10, 20, 50], 26)
+    return [dataclasses.replace(t, pooling_factor=float(p)) for t, p in zip(preset_tables(FIT_PRESET), pooling)]
+
+
+FIT_PRESET = "criteo-kaggle"  # its rows; pooling factors drawn by fit_tables
+CHECK_PRESET = "dlrm-dcnv2-criteo1tb"  # multi-hot: 1 to 100 ids per table and sample
+
+
+def candidate_plans(tables: list[TableSpec], topology: Topology, batch: int,
+                    model: CostModel | None) -> dict[str, ShardingPlan]:
+    """Hand-made plans, balanced to lopsided, and (given a model) the planner's."""
     world = topology.chips
     everyone = tuple(range(world))
 
@@ -129,8 +162,8 @@ def candidate_plans(tables: list[TableSpec], topology: Topology, batch: int, mod
 
     by_ids = sorted(tables, key=lambda t: -t.pooling_factor)
     heavy = {t.name for t in by_ids[:len(tables) // 4]}
-    return {
-        "planner": plan_tables(tables, topology, batch, model=model).plan,
+    plans = {} if model is None else {"planner": plan_tables(tables, topology, batch, model=model).plan}
+    return plans | {
         "table_wise round robin": table_wise(lambda i, t: i % world),
         "table_wise, multi-hot tables on rank 0": table_wise(lambda i, t: 0 if t.name in heavy else 1 + i % (world - 1)),
         "table_wise, all on rank 0": table_wise(lambda i, t: 0),
@@ -166,17 +199,18 @@ def local_features(tables, batch: int, rank: int, step: int):
     return KeyedJaggedTensor(keys=[t.name for t in tables], values=values, lengths=lengths)
 
 
-def timed(fn, steps: int, rounds: int, anchor: dist.ProcessGroup) -> float:
-    """Seconds per call of ``fn`` (best round), every rank starting each round together."""
-    best = float("inf")
+def timed(fn, steps: int, rounds: int, anchor: dist.ProcessGroup) -> tuple[float, float]:
+    """Seconds per call of ``fn`` (best round) and the rounds' spread (slowest / best - 1),
+    every rank starting each round together."""
+    times = []
     for _ in range(rounds):
         dist.barrier(group=anchor)
         started = time.perf_counter()
         for step in range(steps):
             fn(step)
         torch.tpu.synchronize()
-        best = min(best, (time.perf_counter() - started) / steps)
-    return best
+        times.append((time.perf_counter() - started) / steps)
+    return min(times), max(times) / min(times) - 1
 
 
 def measure_plan(plan: ShardingPlan, configs, data, settings: Settings, anchor: dist.ProcessGroup) -> dict[str, float]:
@@ -191,14 +225,15 @@ def measure_plan(plan: ShardingPlan, configs, data, settings: Settings, anchor: 
 
     for i in range(settings.warmup):
         step(i)
-    step_s = timed(step, settings.steps, settings.rounds, anchor)
+    step_s, spread = timed(step, settings.steps, settings.rounds, anchor)
     peak = torch.tpu.max_memory_allocated() - base
     # The rank's own SparseCore work alone: its shards on the ids the input distribution
     # brought it, its replicas on its own samples (their row exchange still runs: every rank
     # has the same replicas, so it stays in step).
     parts = []
+    distributed = [sharded._input_dist(d)[0] for d in data]  # a collective: every rank, tables or not
     if sharded.engine is not None:
-        parts.append((sharded.engine, [sharded._input_dist(d)[0] for d in data]))
+        parts.append((sharded.engine, distributed))
     if sharded.replicas is not None:
         names = [f for c in sharded.replicas._configs for f in c.feature_names]
         parts.append((sharded.replicas, [type(d).from_jt_dict({f: d.to_dict()[f] for f in names}) for d in data]))
@@ -209,17 +244,16 @@ def measure_plan(plan: ShardingPlan, configs, data, settings: Settings, anchor: 
 
     for i in range(settings.warmup):
         alone(i)
-    sparsecore_s = timed(alone, settings.steps, settings.rounds, anchor) if parts else 0.0
+    sparsecore_s, _ = timed(alone, settings.steps, settings.rounds, anchor)  # every rank: the barriers must pair
     sharded.close()
-    del sharded, module
-    return {"step_ms": step_s * 1e3, "sparsecore_ms": sparsecore_s * 1e3, "peak_bytes": peak}
+    return {"step_ms": step_s * 1e3, "step_spread": spread, "sparsecore_ms": sparsecore_s * 1e3, "peak_bytes": peak}
 
 
 def run_rank(rank: int, world: int, port: int, settings: Settings) -> None:
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*is_fx_tracing")
     dist.init_process_group("tpu_dist", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+                            timeout=datetime.timedelta(seconds=120))
     anchor = dist.new_group(backend="gloo")
     torch.set_num_threads(1)
     tables = list(settings.tables)
@@ -266,6 +300,19 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
     return agree / len(pairs)
 
 
+def separated_pairs(predicted: list[float], measured: list[float], spread: list[float]) -> tuple[int, int]:
+    """(pairs the measurement orders beyond its noise, of those the ones the prediction orders
+    alike): a pair is separated when the slower is slower by more than either's round spread."""
+    separated = agreeing = 0
+    for i in range(len(measured)):
+        for j in range(i + 1, len(measured)):
+            low, high = sorted((measured[i], measured[j]))
+            if high / low - 1 > max(spread[i], spread[j]):
+                separated += 1
+                agreeing += (predicted[i] - predicted[j]) * (measured[i] - measured[j]) > 0
+    return separated, agreeing
+
+
 def compare(plans: dict[str, ShardingPlan], measured: list[dict], tables: list[TableSpec], topology: Topology,
             batch: int, model: CostModel) -> tuple[list[dict], list[dict]]:
     """(per plan and rank rows, per plan rows) of predicted vs measured."""
@@ -274,21 +321,24 @@ def compare(plans: dict[str, ShardingPlan], measured: list[dict], tables: list[T
         predicted = evaluate(plan, tables, topology, batch, model=model)
         for rank, ranks_rows in enumerate(measured):
             m = ranks_rows[name]
+            # Timed alone, a rank's SparseCore work has no routing (the input distribution's).
+            alone = dataclasses.replace(predicted.device_work[rank], routed_ids=0.0, routed_tables=0.0)
             per_rank.append({"plan": name, "rank": rank,
-                             "pred_sparsecore_ms": predicted.device_compute_s[rank] * 1e3,
+                             "pred_sparsecore_ms": compute_seconds(alone, topology, model) * 1e3,
                              "meas_sparsecore_ms": m["sparsecore_ms"],
                              "pred_mib": predicted.device_bytes[rank] / 2**20, "meas_mib": m["peak_bytes"] / 2**20,
                              "mem_error": predicted.device_bytes[rank] / m["peak_bytes"] - 1})
         per_plan.append({"plan": name, "pred_step_ms": predicted.max_step_s * 1e3,
                          "meas_step_ms": max(r[name]["step_ms"] for r in measured),
-                         "pred_slowest_sparsecore_ms": float(predicted.device_compute_s.max()) * 1e3,
+                         "round_spread": max(r[name]["step_spread"] for r in measured),
+                         "pred_slowest_sparsecore_ms": max(r["pred_sparsecore_ms"] for r in per_rank[-len(measured):]),
                          "meas_slowest_sparsecore_ms": max(r[name]["sparsecore_ms"] for r in measured)})
     return per_rank, per_plan
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--embedding-json", type=Path, default=report.DEFAULT_DIR / "embedding.json")
+    p.add_argument("--embedding-json", type=Path, default=report.DEFAULT_DIR / "one_thread" / "embedding.json")
     p.add_argument("--collectives-json", type=Path, default=report.DEFAULT_DIR / "collectives.json")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--batch", type=int, default=2048, help="global batch")
@@ -300,20 +350,37 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     started = time.monotonic()
     topology = parse_topology(f"{DEFAULT_CHIP}:{a.world}")
-    model, errors, bench_threads = fit(a.embedding_json, a.collectives_json, topology)
-    print(f"fitted on {topology.chip}:{a.world}: {json.dumps(model.to_dict())}")
-    fit_error = statistics.median(abs(e["predicted_ms"] / e["measured_ms"] - 1) for e in errors)
-    print(f"median error of the fit on its own samples: {fit_error:.1%}")
+    embedding, collectives = read_benchmarks(a.embedding_json, a.collectives_json)
+    bench_threads = embedding["environment"]["cpu_threads"]
     if bench_threads != 1:
         print(f"note: the embedding benchmark ran with {bench_threads} threads; the ranks here run 1 each")
-    tables = check_tables()
+
+    def measure(tables: list[TableSpec], plans: dict[str, ShardingPlan]) -> list[dict]:
+        print(f"{len(plans)} plans of {len(tables)} tables, {a.world} ranks, global batch {a.batch}", flush=True)
+        measured = measure_plans(plans, tables, a.world, a.batch, steps=a.steps, rounds=a.rounds, warmup=a.warmup,
+                                 timeout_s=a.timeout)
+        if measured is None:
+            raise SystemExit("the sharded runs failed; nothing written")
+        return measured
+
+    # Fit: the engine alone, all_to_all alone, and sharded runs of one table set...
+    fitting = fit_tables()
+    fit_plans = candidate_plans(fitting, topology, a.batch, None)
+    fit_measured = measure(fitting, fit_plans)
+    compute = compute_samples(embedding) + run_samples(fit_plans, fit_measured, fitting, topology, a.batch)
+    exchanges = exchange_samples(collectives)
+    model = fit_cost_model(compute, exchanges, topology, fitted_from=(
+        f"{a.embedding_json.name} ({len(compute_samples(embedding))} engine steps, commit "
+        f"{embedding.get('git', {}).get('head', '?')}), {a.collectives_json.name} ({len(exchanges)} all_to_all sizes), "
+        f"{len(fit_plans)} sharded plans of {FIT_PRESET} on {a.world} processes"))
+    errors = errors_of([*compute, *exchanges], topology, model)
+    fit_error = statistics.median(abs(e["predicted_ms"] / e["measured_ms"] - 1) for e in errors)
+    print(f"fitted on {topology.chip}:{a.world}: {json.dumps(model.to_dict())}")
+    print(f"median error of the fit on its own {len(errors)} samples: {fit_error:.1%}")
+    # ... checked on another: the planner's plan of it and hand-made ones.
+    tables = preset_tables(CHECK_PRESET)
     plans = candidate_plans(tables, topology, a.batch, model)
-    print(f"{len(plans)} plans of {len(tables)} tables, {a.world} ranks, global batch {a.batch}", flush=True)
-    measured = measure_plans(plans, tables, a.world, a.batch, steps=a.steps, rounds=a.rounds, warmup=a.warmup,
-                             timeout_s=a.timeout)
-    if measured is None:
-        print("the sharded runs failed; nothing written", file=sys.stderr)
-        return 1
+    measured = measure(tables, plans)
     per_rank, per_plan = compare(plans, measured, tables, topology, a.batch, model)
     tau = kendall_tau([r["pred_step_ms"] for r in per_plan], [r["meas_step_ms"] for r in per_plan])
     tau_sc = kendall_tau([r["pred_slowest_sparsecore_ms"] for r in per_plan],
@@ -321,15 +388,20 @@ def main(argv: list[str] | None = None) -> int:
     order_pred = [r["plan"] for r in sorted(per_plan, key=lambda r: r["pred_step_ms"])]
     order_meas = [r["plan"] for r in sorted(per_plan, key=lambda r: r["meas_step_ms"])]
     worst_mem = max(abs(r["mem_error"]) for r in per_rank)
+    separated, agreeing = separated_pairs([r["pred_step_ms"] for r in per_plan], [r["meas_step_ms"] for r in per_plan],
+                                          [r["round_spread"] for r in per_plan])
     lines = [f"step time: Kendall tau {tau:.2f} over {len(per_plan)} plans; orders "
-             + ("agree" if order_pred == order_meas else "differ"),
+             + ("agree" if order_pred == order_meas else "differ")
+             + f"; of the {separated} plan pairs measured apart by more than their rounds' spread, the prediction "
+               f"orders {agreeing} alike",
              f"slowest device's SparseCore time: Kendall tau {tau_sc:.2f}",
              f"HBM: worst per-device error {worst_mem:.1%} (predicted vs max_memory_allocated)",
-             f"fit: median error {fit_error:.1%} on its {len(errors)} samples; threads: benchmark {bench_threads}, "
-             f"ranks 1",
+             f"fit ({FIT_PRESET} tables, checked on {CHECK_PRESET}'s): median error {fit_error:.1%} on its "
+             f"{len(errors)} samples; threads: benchmark {bench_threads}, ranks 1",
              "predicted order: " + " < ".join(order_pred),
              "measured order:  " + " < ".join(order_meas)]
-    table = (report.markdown_table(per_plan, ["plan", "pred_step_ms", "meas_step_ms", "pred_slowest_sparsecore_ms",
+    table = (report.markdown_table(per_plan, ["plan", "pred_step_ms", "meas_step_ms", "round_spread",
+                                              "pred_slowest_sparsecore_ms",
                                               "meas_slowest_sparsecore_ms"])
              + "\n\n" + report.markdown_table(per_rank, ["plan", "rank", "pred_sparsecore_ms", "meas_sparsecore_ms",
                                                          "pred_mib", "meas_mib", "mem_error"])
@@ -340,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     report.write_atomically(a.out / "cost_model.json", json.dumps(model.to_dict(), indent=2))
     json_path, md_path = report.write("planner_calibration", {
         "config": {k: str(v) for k, v in vars(a).items()}, "cost_model": model.to_dict(), "fit_samples": errors,
+        "fit_runs": fit_measured, "fit_plans": {k: v.to_dict() for k, v in fit_plans.items()},
         "per_plan": per_plan, "per_rank": per_rank, "kendall_tau_step": tau, "kendall_tau_sparsecore": tau_sc,
         "summary": lines, "wall_time_s": time.monotonic() - started}, table, out_dir=a.out)
     print(f"wrote {json_path}, {md_path}, {a.out / 'cost_model.json'}")

@@ -119,9 +119,10 @@ def test_a_request_that_needs_the_cache_releases_it_instead_of_failing():
     big = (capacity - in_use) // 2
     torch.empty(big, dtype=torch.uint8, device="tpu")  # freed: cached
     retries = torch.tpu.memory_stats()["num_alloc_retries"]
-    y = torch.empty(big + MiB, dtype=torch.uint8, device="tpu")  # needs the cached bytes
+    # Needs the cached bytes (and is too big for the cached block, rounded up as it is).
+    y = torch.empty(big + big // 4, dtype=torch.uint8, device="tpu")
     assert torch.tpu.memory_stats()["num_alloc_retries"] == retries + 1
-    # The cached block was released; live blocks may keep a little slack.
-    assert torch.tpu.memory_reserved() - torch.tpu.memory_allocated() < MiB
+    # The cached block was released; a large block is rounded up by at most 1/16 of it.
+    assert torch.tpu.memory_reserved() - torch.tpu.memory_allocated() <= (big + big // 4) // 16 + MiB
     del y
     torch.tpu.empty_cache()

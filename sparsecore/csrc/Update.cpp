@@ -16,6 +16,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cmath>
 #include <optional>
 #include <tuple>
@@ -228,33 +229,30 @@ void backward_update(const at::Tensor& weight, at::TensorList state, const at::T
 }
 
 // The backward's first half: (physical rows touched, their summed gradients),
-// for callers that combine gradients across devices before the update.
+// for callers that combine gradients across devices before the update. Rows
+// come out in no fixed order (tasks finish as they do).
 std::tuple<at::Tensor, at::Tensor> row_gradients(const at::Tensor& grad_output, const at::Tensor& row_pointers,
                                                  const at::Tensor& embedding_ids, const at::Tensor& sample_ids,
                                                  const at::Tensor& gains, int64_t batch_size, int64_t rows_per_sc) {
   const int64_t dim = grad_output.size(1);
-  // Per worker thread, concatenated after: rows of different tasks are distinct.
-  std::vector<std::vector<int64_t>> rows(at::get_num_threads());
-  std::vector<std::vector<float>> grads(at::get_num_threads());
+  // At most one row per COO entry. Written in place from the device's allocator: growing
+  // host vectors instead would touch fresh pages every step, which costs more than the sums.
+  const int64_t most = embedding_ids.numel();
+  auto out_rows = at::empty({most}, grad_output.options().dtype(at::kLong));
+  auto out_grads = at::empty({most, dim}, grad_output.options().dtype(at::kFloat));
+  int64_t* orp = out_rows.mutable_data_ptr<int64_t>();
+  float* ogp = out_grads.mutable_data_ptr<float>();
+  std::atomic<int64_t> next{0};
   for_each_touched_row(
       grad_output, row_pointers, embedding_ids, sample_ids, gains, batch_size, rows_per_sc,
       [&](int64_t r, const float* g) {
-        const int t = at::get_thread_num();
-        rows[t].push_back(r);
-        grads[t].insert(grads[t].end(), g, g + dim);
+        const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+        orp[i] = r;
+        std::copy(g, g + dim, ogp + i * dim);
       },
       [](int64_t) {});
-  int64_t total = 0;
-  for (const auto& part : rows) total += static_cast<int64_t>(part.size());
-  auto out_rows = at::empty({total}, grad_output.options().dtype(at::kLong));
-  auto out_grads = at::empty({total, dim}, grad_output.options().dtype(at::kFloat));
-  int64_t* orp = out_rows.mutable_data_ptr<int64_t>();
-  float* ogp = out_grads.mutable_data_ptr<float>();
-  for (size_t t = 0; t < rows.size(); ++t) {
-    orp = std::copy(rows[t].begin(), rows[t].end(), orp);
-    ogp = std::copy(grads[t].begin(), grads[t].end(), ogp);
-  }
-  return {out_rows, out_grads};
+  const int64_t total = next.load();
+  return {out_rows.narrow(0, 0, total), out_grads.narrow(0, 0, total)};
 }
 
 // The second half: the optimizer on the given (distinct) physical rows.

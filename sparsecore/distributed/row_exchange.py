@@ -19,8 +19,11 @@ def _all_gather_v(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> list
     dist.all_gather(sizes, torch.tensor([tensor.shape[0]]), group=group)
     sizes = [int(s) for s in sizes]
     longest = max(sizes)
-    padded = tensor.new_zeros(longest, *tensor.shape[1:])
-    padded[:tensor.shape[0]] = tensor
+    if tensor.shape[0] == longest:
+        padded = tensor.contiguous()
+    else:  # the padding is never read: no need to zero it
+        padded = tensor.new_empty(longest, *tensor.shape[1:])
+        padded[:tensor.shape[0]] = tensor
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded.contiguous(), group=group)
     return [p[:n] for p, n in zip(parts, sizes)]
@@ -44,7 +47,9 @@ def whole_row_statistic(rows: torch.Tensor, grads: torch.Tensor, group: dist.Pro
     table's dim it is the statistic the optimizer needs. The shards see the same ids, so
     the same rows: in row order they line up."""
     order = torch.argsort(rows)
-    rows, grads = rows[order], grads[order]
-    squares = grads.float().square().sum(1)
-    dist.all_reduce(squares, group=group)
+    squares = torch.linalg.vector_norm(grads.float(), dim=1).square()
+    in_row_order = squares.index_select(0, order)
+    dist.all_reduce(in_row_order, group=group)
+    # Back to the gradients' order (moving the [rows] statistic, not the [rows, width] gradients).
+    squares.index_copy_(0, order, in_row_order)
     return rows, grads, squares / dim

@@ -11,6 +11,7 @@ or the input is bad, with a message naming what and why.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -42,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--topology", default="v5p:8", help="<chip>:<chips>, e.g. v5p:64")
     p.add_argument("--hbm-gib", type=float, default=None, help="HBM per chip (default: the chip's)")
     p.add_argument("--chips-per-host", type=int, default=4)
+    p.add_argument("--sparsecores-per-chip", type=int, default=None, help="default: the chip's")
+    p.add_argument("--hbm-gbps", type=float, default=None, help="HBM bandwidth per chip (default: the chip's)")
+    p.add_argument("--ici-gbps", type=float, default=None, help="ICI bandwidth per chip (default: the chip's)")
     p.add_argument("--batch-size", type=int, default=65536, help="global batch")
     p.add_argument("--constraints", type=Path, default=None, help="JSON: {table: {sharding_types, ranks}}")
     p.add_argument("--cost-model", type=Path, default=None,
@@ -54,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
             raise SpecError(f"--batch-size {a.batch_size}: expected a positive integer")
         topology = parse_topology(a.topology, hbm_bytes=int(a.hbm_gib * 2**30) if a.hbm_gib else None,
                                   chips_per_host=a.chips_per_host)
+        explicit = {k: v for k, v in (("sparsecores_per_chip", a.sparsecores_per_chip), ("hbm_gbps", a.hbm_gbps),
+                                      ("ici_gbps", a.ici_gbps)) if v is not None}
+        topology = dataclasses.replace(topology, **explicit)  # Topology checks every value
         tables = read_tables(a.tables) if a.tables is not None else read_preset(a.model)
         constraints = read_constraints(a.constraints) if a.constraints else None
         model = read_cost_model(a.cost_model) if a.cost_model else CostModel()

@@ -1,14 +1,16 @@
 """What a shard costs a device: HBM bytes and step time.
 
-Storage: the shard's rows (weights, fp32 optimizer state), its COO buffers
-for a step's ids (12 bytes an id) and its output rows (fp32, forward and
-gradient). Step time: the bytes the lookup and the update move through HBM
-(distinct ids only: an id's row is read once, and updated once) at HBM
-bandwidth, a fixed cost per id (preprocessing and routing them) and per
-shard (launching its work), plus what the device exchanges with the others
-(ids in, rows out and their gradients back) at ICI bandwidth and a latency
-per exchange. ``CostModel`` holds those constants; ``fit_cost_model``
-(planner/fit.py) fits them to measured runs.
+A shard's ``Work`` in a step is counted from its table and sharding type
+(``shard_costs``): the bytes its lookup and update move through HBM
+(distinct ids only: an id's row is read once, and updated once), the ids it
+looks up, the shard itself (a launch), the ids it routes to their owner
+SparseCore (row-wise), the row gradients it gathers from other replicas
+(data-parallel) or whose squares it sums with the other column shards
+(row-wise Adagrad), the bytes and collectives it exchanges. Time is that
+work at the ``CostModel``'s rates (fitted by planner/fit.py). Storage: the
+shard's rows (weights, fp32 optimizer state), its COO buffers for a step's
+ids (12 bytes an id), its output rows (fp32, forward and gradient) and what
+its exchanges hold for a moment.
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ from typing import Any
 
 import numpy as np
 
+from sparsecore.distributed.plan import (
+    COLUMN_WISE,
+    DATA_PARALLEL,
+    ROW_WISE,
+    SHARDING_TYPES,
+    TABLE_ROW_WISE,
+    TABLE_WISE,
+)
 from sparsecore.planner.specs import TableSpec
 from sparsecore.planner.topology import Topology
 
@@ -44,7 +54,15 @@ class CostModel:
     shard_s: float = 0.0
     """Seconds per shard a device holds, per step (launching its lookup and update)."""
     exchange_s: float = 0.0
-    """Seconds of latency per all_to_all a device takes part in."""
+    """Seconds of latency per collective a device takes part in."""
+    route_id_s: float = 0.0
+    """Seconds per id a device routes to its owner SparseCore (row-wise sharding)..."""
+    route_table_s: float = 0.0
+    """... and per row-wise table it routes the ids of."""
+    gather_row_s: float = 0.0
+    """Seconds per row gradient a replica gathers from the others and sums (data_parallel)."""
+    row_statistic_s: float = 0.0
+    """Seconds per row whose squared gradient column shards sum (column_wise, row-wise Adagrad)."""
     reserved_fraction: float = 0.1
     """HBM kept free (dense arch, activations, fragmentation)."""
     fitted_from: str = ""
@@ -91,60 +109,150 @@ def distinct_ids(draws: float, rows: int, zipf_alpha: float | None) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
+class Work:
+    """What a shard does in a step, before any constant: the model's features."""
+
+    hbm_bytes: float = 0.0
+    """Bytes moved through HBM: distinct rows read (lookup) and read and written with their
+    optimizer state (update), COO entries, output rows and their gradients."""
+    ids: float = 0.0
+    """Ids looked up."""
+    shards: float = 0.0
+    """Shards launched (each a lookup and an update)."""
+    routed_ids: float = 0.0
+    """Ids sent one by one to the SparseCore that owns their row (row-wise sharding)."""
+    routed_tables: float = 0.0
+    """Row-wise tables whose ids are routed so."""
+    gathered_rows: float = 0.0
+    """Row gradients a replica gathers from every replica and sums before its update."""
+    row_statistics: float = 0.0
+    """Rows whose squared gradient column shards sum before their update (row-wise Adagrad)."""
+    exchanged_bytes: float = 0.0
+    """Bytes sent to other devices (ids, output rows, gradients)."""
+    exchanges: float = 0.0
+    """Collectives of its own (beyond the step's ids-in, rows-out, gradients-back)."""
+
+    def __add__(self, other: Work) -> Work:
+        # Not dataclasses.astuple: it deep-copies, and plans add up thousands of these.
+        return Work(*(getattr(self, f) + getattr(other, f) for f in _WORK_FIELDS))
+
+
+_WORK_FIELDS = tuple(f.name for f in dataclasses.fields(Work))
+COMPUTE_FEATURES = ("hbm_bytes", "ids", "shards", "routed_ids", "routed_tables", "gathered_rows", "row_statistics")
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardCost:
     hbm_bytes: int
     compute_s: float
     comm_s: float
+    work: Work = Work()
 
     @property
     def step_s(self) -> float:
         return self.compute_s + self.comm_s
 
 
-@dataclasses.dataclass(frozen=True)
-class Work:
-    """What one shard does in a step, before any constant: the model's features."""
-
-    hbm_bytes: float
-    """Bytes moved through HBM: distinct rows read (lookup) and read and written with their
-    optimizer state (update), COO entries, output rows and their gradients."""
-    ids: float
-    exchanged_bytes: float
-    """Bytes sent to other devices (ids, output rows, gradients)."""
+def compute_rates(topology: Topology, model: CostModel) -> tuple[float, ...]:
+    """Seconds per unit of each of COMPUTE_FEATURES."""
+    return (1.0 / (topology.hbm_gbps * 1e9 * model.hbm_efficiency), model.id_s, model.shard_s, model.route_id_s,
+            model.route_table_s, model.gather_row_s, model.row_statistic_s)
 
 
-def shard_work(table: TableSpec, *, width: int, ids: float, out_rows: float, remote_share: float,
-               batch_ids: float, rows: int, training: bool = True) -> Work:
-    """One shard's work: ``ids`` of the batch's ``batch_ids`` ids of ``table`` looked up (which
-    are distinct follows the table's id distribution), at most ``rows`` rows of ``width``,
-    ``out_rows`` output rows; ``remote_share`` of its ids and rows cross to other devices."""
-    distinct = min(distinct_ids(batch_ids, table.num_embeddings, table.zipf_alpha) * ids / max(batch_ids, 1e-9), rows)
+def compute_seconds(work: Work, topology: Topology, model: CostModel) -> float:
+    return sum(getattr(work, f) * rate for f, rate in zip(COMPUTE_FEATURES, compute_rates(topology, model)))
+
+
+def comm_seconds(work: Work, topology: Topology, model: CostModel) -> float:
+    return work.exchanged_bytes / (topology.ici_gbps * 1e9 * model.ici_efficiency) + work.exchanges * model.exchange_s
+
+
+def priced(hbm_bytes: float, work: Work, topology: Topology, model: CostModel) -> ShardCost:
+    return ShardCost(hbm_bytes=int(hbm_bytes), compute_s=compute_seconds(work, topology, model),
+                     comm_s=comm_seconds(work, topology, model), work=work)
+
+
+def lookup_work(table: TableSpec, *, width: int, ids: float, out_rows: float, remote_share: float,
+                batch_ids: float, rows: int, training: bool = True) -> Work:
+    """One shard's lookup (and fused update): ``ids`` of the batch's ``batch_ids`` ids of
+    ``table`` (which are distinct follows the table's id distribution), at most ``rows`` rows of
+    ``width``, ``out_rows`` output rows; ``remote_share`` of its ids and rows cross to other devices."""
+    distinct = touched_rows(table, ids, batch_ids, rows)
     weights = width * table.element_bytes
     moved = distinct * weights + ids * COO_BYTES_PER_ID + out_rows * width * 4
     if training:
         moved += 2 * distinct * (weights + table.state_values(width) * 4) + out_rows * width * 4
     exchanged = remote_share * (ids * ID_BYTES + (2 if training else 1) * out_rows * width * 4)
-    return Work(hbm_bytes=moved, ids=ids, exchanged_bytes=exchanged)
+    return Work(hbm_bytes=moved, ids=ids, shards=1, exchanged_bytes=exchanged)
 
 
-def compute_seconds(work: Work, topology: Topology, model: CostModel, shards: int = 1) -> float:
-    return (work.hbm_bytes / (topology.hbm_gbps * 1e9 * model.hbm_efficiency) + work.ids * model.id_s
-            + shards * model.shard_s)
+def touched_rows(table: TableSpec, ids: float, batch_ids: float, rows: float) -> float:
+    """Distinct rows among ``ids`` of the batch's ``batch_ids`` ids of ``table``, at most ``rows``."""
+    return min(distinct_ids(batch_ids, table.num_embeddings, table.zipf_alpha) * ids / max(batch_ids, 1e-9), rows)
 
 
-def exchange_seconds(exchanged_bytes: float, topology: Topology, model: CostModel) -> float:
-    return exchanged_bytes / (topology.ici_gbps * 1e9 * model.ici_efficiency)
+def storage_bytes(table: TableSpec, rows: int, width: int) -> int:
+    """A shard's weights and fp32 optimizer state."""
+    return rows * width * table.element_bytes + rows * table.state_values(width) * 4
 
 
-def shard_cost(table: TableSpec, *, rows: int, width: int, ids: float, out_rows: float, remote_share: float,
-               batch_ids_for_state: float, topology: Topology, model: CostModel) -> ShardCost:
-    """One shard on one device: ``rows`` x ``width`` of the table, ``ids`` looked up per step
-    (of which distinct: from the table's id distribution), ``out_rows`` output rows of
-    ``width`` it produces, ``remote_share`` of its ids and rows crossing to other devices."""
-    state = table.state_values(width)
-    storage = rows * width * table.element_bytes + rows * state * 4
-    buffers = ids * COO_BYTES_PER_ID + 2 * out_rows * width * 4
-    work = shard_work(table, width=width, ids=ids, out_rows=out_rows, remote_share=remote_share,
-                      batch_ids=batch_ids_for_state, rows=rows)
-    return ShardCost(hbm_bytes=int(storage + buffers), compute_s=compute_seconds(work, topology, model),
-                     comm_s=exchange_seconds(work.exchanged_bytes, topology, model))
+def buffer_bytes(ids: float, out_rows: float, width: int) -> float:
+    """A step's COO entries and fp32 output rows with their gradients."""
+    return ids * COO_BYTES_PER_ID + 2 * out_rows * width * 4
+
+
+def shard_costs(table: TableSpec, kind: str, shards: int, topology: Topology, batch: int, model: CostModel,
+                column_widths: tuple[int, ...] | None = None) -> list[ShardCost]:
+    """Per shard, the cost of ``table`` sharded ``kind`` over ``shards`` devices (column_wise:
+    one shard per width of ``column_widths``); ``batch`` is the global batch."""
+    ids = batch * table.pooling_factor
+    remote = (topology.chips - 1) / topology.chips
+    dim, rows = table.embedding_dim, table.num_embeddings
+
+    def lookup(rows: int, width: int, shard_ids: float, out_rows: float, remote_share: float = remote,
+               training: bool = True) -> Work:
+        return lookup_work(table, width=width, ids=shard_ids, out_rows=out_rows, remote_share=remote_share,
+                           batch_ids=ids, rows=rows, training=training)
+
+    if kind == TABLE_WISE:
+        return [priced(storage_bytes(table, rows, dim) + buffer_bytes(ids, batch, dim), lookup(rows, dim, ids, batch),
+                       topology, model)]
+    if kind == COLUMN_WISE:
+        out = []
+        for width in column_widths:
+            work = lookup(rows, width, ids, batch)
+            transient = 0.0
+            if table.optimizer == "rowwise_adagrad" and len(column_widths) > 1:
+                # The whole row's squared gradient is summed over the column shards: the
+                # batch's row gradients come out of the fused backward, and one all_reduce.
+                touched = touched_rows(table, ids, ids, rows)
+                work = work + Work(row_statistics=touched, exchanged_bytes=remote * touched * 4, exchanges=1)
+                transient = ids * (width * 4 + ID_BYTES)
+            out.append(priced(storage_bytes(table, rows, width) + buffer_bytes(ids, batch, width) + transient, work,
+                              topology, model))
+        return out
+    if kind in (ROW_WISE, TABLE_ROW_WISE):
+        part = -(-rows // shards)
+        # Each shard makes partial sums for the whole batch; a device joins those of its samples
+        # from every shard, and in the backward splits its gradient into a block per shard and
+        # joins the blocks it receives: three passes over batch x dim, two buffers of it.
+        join = batch * dim * 4
+        work = lookup(part, dim, ids / shards, batch) + Work(hbm_bytes=3 * join, routed_ids=ids / shards,
+                                                             routed_tables=1)
+        hbm = storage_bytes(table, part, dim) + buffer_bytes(ids / shards, batch, dim) + 2 * join
+        return [priced(hbm, work, topology, model)] * shards
+    if kind == DATA_PARALLEL:
+        # A replica looks up its own samples, gathers every replica's row gradients (and
+        # ids), sums them per row and updates every row the global batch touched.
+        local_ids, local_batch = ids / shards, batch / shards
+        local_rows = touched_rows(table, local_ids, ids, rows)
+        every_row = touched_rows(table, ids, ids, rows)
+        row_bytes = dim * 4 + ID_BYTES
+        work = lookup(rows, dim, local_ids, local_batch, remote_share=0.0, training=False) + Work(
+            hbm_bytes=local_batch * dim * 4 + 2 * every_row * (dim * table.element_bytes + table.state_values(dim) * 4),
+            gathered_rows=shards * local_rows, exchanged_bytes=remote * shards * local_rows * row_bytes, exchanges=4)
+        # The rows' gradients, every replica's gathered (and joined), their sums.
+        transient = local_ids * row_bytes + 2 * shards * local_rows * row_bytes + every_row * dim * 4
+        hbm = storage_bytes(table, rows, dim) + buffer_bytes(local_ids, local_batch, dim) + transient
+        return [priced(hbm, work, topology, model)] * shards
+    raise ValueError(f"unknown sharding type {kind!r}; expected one of {list(SHARDING_TYPES)}")

@@ -30,15 +30,7 @@ from sparsecore.distributed.plan import (
     ShardingPlan,
     TableSharding,
 )
-from sparsecore.planner.cost import (
-    EXCHANGES_PER_STEP,
-    ID_BYTES,
-    CostModel,
-    ShardCost,
-    distinct_ids,
-    exchange_seconds,
-    shard_cost,
-)
+from sparsecore.planner.cost import EXCHANGES_PER_STEP, CostModel, ShardCost, Work, comm_seconds, shard_costs
 from sparsecore.planner.specs import TableSpec
 from sparsecore.planner.topology import Topology
 
@@ -75,6 +67,8 @@ class PlanResult:
     capacity_bytes: int
     lower_bound_s: float
     planning_s: float
+    device_work: list[Work] = dataclasses.field(default_factory=list)
+    """Per device, its shards' work summed (the cost model's features)."""
 
     @property
     def device_step_s(self) -> np.ndarray:
@@ -90,42 +84,13 @@ class PlanResult:
         return self.max_step_s / self.lower_bound_s - 1 if self.lower_bound_s > 0 else 0.0
 
 
-def sharding_costs(table: TableSpec, kind: str, shards: int, topology: Topology, batch: int, model: CostModel,
-                   column_widths: Sequence[int] | None = None) -> list[ShardCost]:
-    """The per-shard costs of ``table`` sharded ``kind`` over ``shards`` devices (column_wise:
-    one shard per width of ``column_widths``)."""
-    ids = batch * table.pooling_factor
-    remote = (topology.chips - 1) / topology.chips
-
-    def cost(rows: int, width: int, shard_ids: float, out_rows: float, remote_share: float = remote) -> ShardCost:
-        return shard_cost(table, rows=rows, width=width, ids=shard_ids, out_rows=out_rows, remote_share=remote_share,
-                          batch_ids_for_state=ids, topology=topology, model=model)
-
-    if kind == TABLE_WISE:
-        return [cost(table.num_embeddings, table.embedding_dim, ids, batch)]
-    if kind == COLUMN_WISE:
-        return [cost(table.num_embeddings, width, ids, batch) for width in column_widths]
-    if kind in (ROW_WISE, TABLE_ROW_WISE):
-        return [cost(-(-table.num_embeddings // shards), table.embedding_dim, ids / shards, batch)] * shards
-    if kind == DATA_PARALLEL:
-        # A replica looks up its own samples, then updates every row the global batch touched,
-        # with the row gradients (and ids) every other replica sends it.
-        local = cost(table.num_embeddings, table.embedding_dim, ids / shards, batch / shards, remote_share=0.0)
-        every_row = cost(table.num_embeddings, table.embedding_dim, ids, 0, remote_share=0.0)
-        distinct = distinct_ids(ids, table.num_embeddings, table.zipf_alpha)
-        gradients = remote * distinct * (ID_BYTES + table.embedding_dim * 4)
-        exchange = exchange_seconds(gradients, topology, model) + 2 * model.exchange_s
-        return [ShardCost(local.hbm_bytes, local.compute_s + every_row.compute_s - model.shard_s, exchange)] * shards
-    raise ValueError(f"unknown sharding type {kind!r}; expected one of {list(SHARDING_TYPES)}")
-
-
 def _proposals(table: TableSpec, topology: Topology, batch: int, model: CostModel, allowed: Sequence[str],
                devices: Sequence[int]) -> list[tuple[str, list[tuple[int, ...]], list[ShardCost], tuple | None]]:
     """(type, device sets to choose among, per-shard costs, column widths) per allowed type."""
     n = len(devices)
 
     def costs(kind: str, shards: int, widths: tuple[int, ...] | None = None) -> list[ShardCost]:
-        return sharding_costs(table, kind, shards, topology, batch, model, widths)
+        return shard_costs(table, kind, shards, topology, batch, model, widths)
 
     out = []
     if TABLE_WISE in allowed:
@@ -143,34 +108,39 @@ def _proposals(table: TableSpec, topology: Topology, batch: int, model: CostMode
         hosts = [h for h in topology.hosts if len(h) == size and set(h) <= set(devices)]
         if hosts:
             out.append((TABLE_ROW_WISE, hosts, costs(TABLE_ROW_WISE, size), None))
-    if DATA_PARALLEL in allowed and n == topology.chips:
+    if DATA_PARALLEL in allowed and n == topology.chips > 1:
         out.append((DATA_PARALLEL, [tuple(devices)], costs(DATA_PARALLEL, n), None))
     return out
 
 
-def device_baseline(tables: Sequence[TableSpec], topology: Topology, batch_size: int,
-                    model: CostModel) -> tuple[int, float]:
-    """What every device carries whatever the plan: (bytes, seconds). Sharded over several
+def device_baseline(tables: Sequence[TableSpec], topology: Topology, batch_size: int) -> tuple[int, Work]:
+    """What every device carries whatever the plan: (bytes, work). Sharded over several
     devices, each receives its samples' pooled rows of every table (and their gradients) and
     takes part in every step's exchanges."""
     if topology.chips == 1:
-        return 0, 0.0
+        return 0, Work()
     local = batch_size / topology.chips
     received = sum(int(local * t.embedding_dim * 4 * 2) for t in tables)
-    return received, EXCHANGES_PER_STEP * model.exchange_s
+    return received, Work(exchanges=EXCHANGES_PER_STEP)
 
 
 class _Loads:
     """Every device's HBM bytes and step time as tables are placed."""
 
-    def __init__(self, used: np.ndarray, compute: np.ndarray, comm: np.ndarray, capacity: int):
-        self.used, self.compute, self.comm, self.capacity = used, compute, comm, capacity
+    def __init__(self, tables: Sequence[TableSpec], topology: Topology, batch_size: int, model: CostModel):
+        """What every device carries before any table is placed (``device_baseline``)."""
+        base_bytes, self.base_work = device_baseline(tables, topology, batch_size)
+        self.base_s = comm_seconds(self.base_work, topology, model)
+        self.used = np.full(topology.chips, base_bytes, dtype=np.int64)
+        self.compute = np.zeros(topology.chips)
+        self.comm = np.full(topology.chips, self.base_s)
+        self.capacity = int(topology.hbm_bytes * (1 - model.reserved_fraction))
 
     def add(self, placement: Placement, sign: int = 1) -> None:
-        index = np.array(placement.ranks)
-        self.used[index] += [sign * s.hbm_bytes for s in placement.costs]
-        self.compute[index] += [sign * s.compute_s for s in placement.costs]
-        self.comm[index] += [sign * s.comm_s for s in placement.costs]
+        index = np.array(placement.ranks)  # may repeat (column slices sharing a device): np.add.at
+        np.add.at(self.used, index, [sign * s.hbm_bytes for s in placement.costs])
+        np.add.at(self.compute, index, [sign * s.compute_s for s in placement.costs])
+        np.add.at(self.comm, index, [sign * s.comm_s for s in placement.costs])
 
     def best_placement(self, table: TableSpec, proposals: list, constraint: Constraint,
                        remaining: float) -> tuple[tuple, Placement] | None:
@@ -228,11 +198,7 @@ def plan_tables(tables: Sequence[TableSpec], topology: Topology, batch_size: int
     if unknown:
         raise PlanningError(f"constraints name unknown tables {unknown}")
     chips = topology.chips
-    capacity = int(topology.hbm_bytes * (1 - model.reserved_fraction))
-    base_bytes, base_s = device_baseline(tables, topology, batch_size, model)
-    used = np.full(chips, base_bytes, dtype=np.int64)
-    compute = np.zeros(chips)
-    comm = np.full(chips, base_s)
+    state = _Loads(tables, topology, batch_size, model)
     options = {}
     for t in tables:
         c = constraints.get(t.name, Constraint())
@@ -243,10 +209,9 @@ def plan_tables(tables: Sequence[TableSpec], topology: Topology, batch_size: int
         if not options[t.name]:
             raise PlanningError(f"table {t.name!r}: none of its allowed sharding types {list(c.sharding_types)} "
                                 f"applies on {len(devices)} device(s)")
-    lower_bound, cheapest = _lower_bound(options, base_s, chips)
+    lower_bound, cheapest = _lower_bound(options, state.base_s, chips)
     order = sorted(tables, key=lambda t: -cheapest[t.name])
     remaining = sum(cheapest.values())  # the least work the tables not placed yet will add
-    state = _Loads(used, compute, comm, capacity)
     placements, failed = {}, []
     for t in order:
         remaining -= cheapest[t.name]
@@ -257,10 +222,9 @@ def plan_tables(tables: Sequence[TableSpec], topology: Topology, batch_size: int
         state.add(best[1])
         placements[t.name] = best[1]
     if failed:
-        raise PlanningError(_infeasible(failed, options, capacity, used))
+        raise PlanningError(_infeasible(failed, options, state.capacity, state.used))
     state.rebalance(placements, {t.name: t for t in tables}, options, constraints, rounds=min(len(tables), 200))
-    placements = list(placements.values())
-    return _result(tables, placements, topology, used, compute, comm, capacity, lower_bound, started)
+    return _result(tables, list(placements.values()), topology, state, lower_bound, started)
 
 
 def _lower_bound(options: Mapping[str, list], base_s: float, chips: int) -> tuple[float, dict[str, float]]:
@@ -287,8 +251,8 @@ def _lower_bound(options: Mapping[str, list], base_s: float, chips: int) -> tupl
     return base_s + bound, cheapest
 
 
-def _result(tables: Sequence[TableSpec], placements: list[Placement], topology: Topology, used: np.ndarray,
-            compute: np.ndarray, comm: np.ndarray, capacity: int, lower_bound: float, started: float) -> PlanResult:
+def _result(tables: Sequence[TableSpec], placements: list[Placement], topology: Topology, state: _Loads,
+            lower_bound: float, started: float) -> PlanResult:
     by_name = {p.table: p for p in placements}
     plan = ShardingPlan(world_size=topology.chips, chip=topology.chip,
                         sparsecores_per_chip=topology.sparsecores_per_chip,
@@ -297,9 +261,13 @@ def _result(tables: Sequence[TableSpec], placements: list[Placement], topology: 
                                                       ranks=by_name[t.name].ranks,
                                                       column_widths=by_name[t.name].column_widths)
                                 for t in tables})
-    return PlanResult(plan=plan, placements=[by_name[t.name] for t in tables], device_bytes=used,
-                      device_compute_s=compute, device_comm_s=comm, capacity_bytes=capacity,
-                      lower_bound_s=lower_bound, planning_s=time.perf_counter() - started)
+    work = [state.base_work] * topology.chips
+    for placement in placements:
+        for rank, cost in zip(placement.ranks, placement.costs):
+            work[rank] = work[rank] + cost.work
+    return PlanResult(plan=plan, placements=[by_name[t.name] for t in tables], device_bytes=state.used,
+                      device_compute_s=state.compute, device_comm_s=state.comm, capacity_bytes=state.capacity,
+                      lower_bound_s=lower_bound, planning_s=time.perf_counter() - started, device_work=work)
 
 
 def evaluate(plan: ShardingPlan, tables: Sequence[TableSpec], topology: Topology, batch_size: int, *,
@@ -311,26 +279,19 @@ def evaluate(plan: ShardingPlan, tables: Sequence[TableSpec], topology: Topology
     if missing or plan.world_size != topology.chips:
         raise PlanningError(f"the plan does not cover these tables on {topology.chips} chips: missing {missing}, "
                             f"plan world size {plan.world_size}")
-    base_bytes, base_s = device_baseline(tables, topology, batch_size, model)
-    used = np.full(topology.chips, base_bytes, dtype=np.int64)
-    compute = np.zeros(topology.chips)
-    comm = np.full(topology.chips, base_s)
+    state = _Loads(tables, topology, batch_size, model)
     placements = []
     for t in tables:
         sharding = plan.tables[t.name]
-        costs = sharding_costs(t, sharding.sharding_type, len(sharding.ranks), topology, batch_size, model,
-                               sharding.column_widths)
-        for rank, cost in zip(sharding.ranks, costs):
-            used[rank] += cost.hbm_bytes
-            compute[rank] += cost.compute_s
-            comm[rank] += cost.comm_s
+        costs = shard_costs(t, sharding.sharding_type, len(sharding.ranks), topology, batch_size, model,
+                            sharding.column_widths)
         placements.append(Placement(t.name, sharding.sharding_type, tuple(sharding.ranks), tuple(costs),
                                     sharding.column_widths))
+        state.add(placements[-1])
     options = {t.name: _proposals(t, topology, batch_size, model, SHARDING_TYPES, tuple(range(topology.chips)))
                for t in tables}
-    lower_bound, _ = _lower_bound(options, base_s, topology.chips)
-    capacity = int(topology.hbm_bytes * (1 - model.reserved_fraction))
-    return _result(tables, placements, topology, used, compute, comm, capacity, lower_bound, started)
+    lower_bound, _ = _lower_bound(options, state.base_s, topology.chips)
+    return _result(tables, placements, topology, state, lower_bound, started)
 
 
 def _candidate_sets(kind, device_sets, load, used, need, capacity, shards, allowed):

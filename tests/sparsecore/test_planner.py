@@ -234,8 +234,12 @@ def test_fit_recovers_the_constants_that_made_the_samples():
     from sparsecore.planner import CostModel
     from sparsecore.planner.fit import ExchangeSample, engine_step, fit_cost_model, predicted_seconds
 
+    from sparsecore.planner.cost import Work
+    from sparsecore.planner.fit import ComputeSample
+
     top = topology()
-    truth = CostModel(hbm_efficiency=0.01, ici_efficiency=0.004, id_s=5e-9, shard_s=2e-5, exchange_s=3e-4)
+    truth = CostModel(hbm_efficiency=0.01, ici_efficiency=0.004, id_s=5e-9, shard_s=2e-5, exchange_s=3e-4,
+                      route_id_s=4e-8, route_table_s=1e-4, gather_row_s=3e-7, row_statistic_s=8e-8)
     steps = []
     for count, batch, pooling, alpha, optimizer in [(26, 8192, 1, None, "sgd"), (26, 8192, 20, 1.05, "rowwise_adagrad"),
                                                     (10, 4096, 100, None, "adam"), (3, 65536, 5, 1.2, "sgd"),
@@ -243,11 +247,19 @@ def test_fit_recovers_the_constants_that_made_the_samples():
         tables = [TableSpec(name=f"t{i}", num_embeddings=1000 * (i + 1) ** 2, embedding_dim=64,
                             pooling_factor=pooling, zipf_alpha=alpha, optimizer=optimizer) for i in range(count)]
         steps.append(engine_step(tables, batch, 1.0))
+    # Sharded steps: routing, replicas' gathered rows, column shards' statistics, and their exchanges.
+    for routed, tables, gathered, statistics in [(1e5, 4, 0, 0), (5e5, 26, 0, 0), (0, 0, 2e5, 0), (0, 0, 0, 3e5),
+                                                 (2e4, 10, 5e4, 1e5)]:
+        base = steps[len(steps) % 5].work
+        extra = Work(routed_ids=routed, routed_tables=tables, gathered_rows=gathered, row_statistics=statistics,
+                     exchanged_bytes=1e6 + routed * 8, exchanges=3)
+        steps.append(ComputeSample(work=base + extra, seconds=1.0, with_exchanges=True))
     steps = [dataclasses.replace(s, seconds=predicted_seconds(s, top, truth)) for s in steps]
     exchanges = [ExchangeSample(b, 0.0) for b in (4096, 1 << 20, 1 << 24)]
     exchanges = [dataclasses.replace(e, seconds=predicted_seconds(e, top, truth)) for e in exchanges]
     fitted = fit_cost_model(steps, exchanges, top)
-    for field in ("hbm_efficiency", "ici_efficiency", "id_s", "shard_s", "exchange_s"):
+    for field in ("hbm_efficiency", "ici_efficiency", "id_s", "shard_s", "exchange_s", "route_id_s", "route_table_s",
+                  "gather_row_s", "row_statistic_s"):
         assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=1e-6), field
     with pytest.raises(ValueError, match=">= 3 compute"):
         fit_cost_model(steps[:2], exchanges, top)
@@ -267,3 +279,15 @@ def test_cli_takes_a_fitted_cost_model(tmp_path):
     bad.write_text(json.dumps({"hbm_speed": 1}))
     failed = cli(*args, "--cost-model", str(bad))
     assert failed.returncode == 2 and "unknown field(s) ['hbm_speed']" in failed.stderr
+
+
+def test_cli_takes_an_explicit_topology(tmp_path):
+    args = ["--model", "criteo-kaggle", "--topology", "v5p:4", "--format", "json"]
+    preset = json.loads(cli(*args).stdout)
+    slow = cli(*args, "--ici-gbps", "1", "--hbm-gbps", "100", "--sparsecores-per-chip", "2",
+               "--out", str(tmp_path / "plan.json"))
+    assert slow.returncode == 0, slow.stderr
+    assert json.loads(slow.stdout)["summary"]["max_step_ms"] > 10 * preset["summary"]["max_step_ms"]
+    assert ShardingPlan.load(tmp_path / "plan.json").sparsecores_per_chip == 2
+    bad = cli(*args, "--hbm-gbps", "0")
+    assert bad.returncode == 2 and "hbm_gbps=0.0" in bad.stderr
