@@ -17,6 +17,7 @@ from sparsecore.modules import SparseCoreEmbeddingBagCollection, SparseCoreEmbed
 from sparsecore.preprocess import PartitionStats, PreprocessedBatch, Preprocessor, StackBatch, preprocess_stacks
 from sparsecore.stacking import StackSpec, TablePlacement, plan_stacks
 from sparsecore.pipeline import TrainPipeline
+from sparsecore import debug_checks  # noqa: F401  (registers the kernels' Debug-mode checks)
 
 def preprocess(features, module) -> PreprocessedBatch:
     """Host preprocessing of a KJT for a SparseCore module, ready for its forward."""

@@ -22,4 +22,16 @@ def is_available() -> bool:
     return _AVAILABLE
 
 
-__all__ = ["is_available"]
+from torch_tpu.debug import get_nan_check, set_nan_check  # noqa: E402
+from torch_tpu.eager import EagerMode, eager_mode, get_eager_mode, set_eager_mode  # noqa: E402
+
+if _AVAILABLE:
+    try:
+        get_eager_mode()  # reads the environment now: Debug's checks start on the importing thread
+    except (ValueError, NotImplementedError) as _error:  # import torch must not fail: said again at first use
+        import warnings
+
+        warnings.warn(f"torch_tpu: {_error}", RuntimeWarning, stacklevel=2)
+
+__all__ = ["EagerMode", "eager_mode", "get_eager_mode", "get_nan_check", "is_available", "set_eager_mode",
+           "set_nan_check"]

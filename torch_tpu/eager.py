@@ -1,0 +1,131 @@
+"""Eager execution modes of the tpu device: Strict, Debug, DeferAndFuse.
+
+* Strict (the default): one ATen op at a time, as issued.
+* Debug: every op synchronous (work submitted to tpu streams, e.g. the
+  SparseCore engine's, runs at once on the calling thread), indices of
+  indexing ops bounds-checked and floating outputs checked for NaN/Inf
+  (torch_tpu.debug). Errors name the op, the tensor, the offending value and
+  the line of user code that issued it.
+* DeferAndFuse: ops recorded and run as fused graphs. Not built yet: asking for
+  it raises NotImplementedError rather than running Strict under its name.
+
+Chosen by ``TORCH_TPU_LAUNCH_BLOCKING=1`` (also the upstream spelling
+``TPU_LAUNCH_BLOCKING=1``) -> Debug, ``TORCH_TPU_DEFER_AND_FUSE=1`` ->
+DeferAndFuse, read when the mode is first asked for; or by
+``set_eager_mode(...)`` and the ``eager_mode(...)`` context manager. Debug's
+checks run in a dispatch mode, which is per thread: they cover the thread
+that set the mode (and whatever work it submits to tpu streams, which runs
+inline in Debug).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import threading
+from collections.abc import Iterator, Mapping
+
+
+class EagerMode(enum.Enum):
+    STRICT = "strict"
+    DEBUG = "debug"
+    DEFER_AND_FUSE = "defer_and_fuse"
+
+
+DEBUG_VARIABLES = ("TORCH_TPU_LAUNCH_BLOCKING", "TPU_LAUNCH_BLOCKING")
+DEFER_VARIABLE = "TORCH_TPU_DEFER_AND_FUSE"
+_FLAGS = {"": False, "0": False, "1": True}
+
+_lock = threading.Lock()
+_mode: EagerMode | None = None  # None: not read from the environment yet
+_local = threading.local()  # the Debug dispatch mode this thread entered, if any
+
+
+def mode_from_environment(environ: Mapping[str, str] | None = None) -> EagerMode:
+    """The mode the environment variables ask for (see the module docstring)."""
+    environ = os.environ if environ is None else environ
+
+    def flag(name: str) -> bool:
+        value = environ.get(name, "").strip()
+        if value not in _FLAGS:
+            raise ValueError(f"{name}={value!r}: expected 1 (on) or 0 (off)")
+        return _FLAGS[value]
+
+    debug = any([flag(name) for name in DEBUG_VARIABLES])
+    defer = flag(DEFER_VARIABLE)
+    if debug and defer:
+        raise ValueError(f"{DEFER_VARIABLE}=1 and {'/'.join(DEBUG_VARIABLES)}=1 ask for two eager modes; set one")
+    return EagerMode.DEBUG if debug else EagerMode.DEFER_AND_FUSE if defer else EagerMode.STRICT
+
+
+def _as_mode(mode: EagerMode | str) -> EagerMode:
+    if isinstance(mode, EagerMode):
+        return mode
+    try:
+        return EagerMode(str(mode).lower())
+    except ValueError:
+        raise ValueError(f"eager mode {mode!r}: expected one of {[m.value for m in EagerMode]}") from None
+
+
+def get_eager_mode() -> EagerMode:
+    """The current eager mode (the environment's until set)."""
+    global _mode
+    with _lock:
+        if _mode is None:
+            _mode = mode_from_environment()
+            if _mode is EagerMode.DEFER_AND_FUSE:
+                _mode = None
+                _refuse_defer_and_fuse()
+        mode = _mode
+    _enter_checks_on_this_thread(mode)
+    return mode
+
+
+def set_eager_mode(mode: EagerMode | str) -> None:
+    """Switches the eager mode: ``EagerMode`` or its value (``"strict"``, ``"debug"``, ...)."""
+    global _mode
+    mode = _as_mode(mode)
+    if mode is EagerMode.DEFER_AND_FUSE:
+        _refuse_defer_and_fuse()
+    if mode is EagerMode.DEBUG:
+        import torch
+
+        torch.tpu.synchronize()  # what was queued before runs under the old mode, then all is synchronous
+    with _lock:
+        _mode = mode
+    _enter_checks_on_this_thread(mode)
+
+
+@contextlib.contextmanager
+def eager_mode(mode: EagerMode | str) -> Iterator[None]:
+    """``set_eager_mode(mode)`` for the block, the previous mode after it."""
+    previous = get_eager_mode()
+    set_eager_mode(mode)
+    try:
+        yield
+    finally:
+        set_eager_mode(previous)
+
+
+def is_synchronous() -> bool:
+    """Whether work submitted to tpu streams must run at once (Debug)."""
+    return get_eager_mode() is EagerMode.DEBUG
+
+
+def _enter_checks_on_this_thread(mode: EagerMode) -> None:
+    """Debug's dispatch mode, entered on this thread while the mode is Debug (left otherwise)."""
+    active = getattr(_local, "checks", None)
+    if mode is EagerMode.DEBUG and active is None:
+        from torch_tpu.debug import DebugChecks
+
+        _local.checks = DebugChecks()
+        _local.checks.__enter__()
+    elif mode is not EagerMode.DEBUG and active is not None:
+        _local.checks = None
+        active.__exit__(None, None, None)
+
+
+def _refuse_defer_and_fuse() -> None:
+    raise NotImplementedError("the DeferAndFuse eager mode is not available yet (torch_tpu runs Strict or Debug); "
+                              f"unset {DEFER_VARIABLE} or choose 'strict' or 'debug'")
