@@ -58,7 +58,7 @@ from benchmarks import report
 from benchmarks.collectives import supervise
 from sparsecore.distributed import COLUMN_WISE, DATA_PARALLEL, ROW_WISE, TABLE_WISE, ShardingPlan, TableSharding
 from sparsecore.planner import CostModel, TableSpec, Topology, evaluate, parse_topology, plan_tables, read_preset
-from sparsecore.planner.cost import compute_seconds
+from sparsecore.planner.cost import Work, compute_seconds
 from sparsecore.planner.fit import ComputeSample, ExchangeSample, engine_step, fit_cost_model, predicted_seconds
 from torch_tpu.chips import DEFAULT_CHIP
 from torch_tpu.distributed.local_ranks import free_port, start_local_ranks
@@ -107,6 +107,11 @@ def read_benchmarks(embedding_path: Path, collectives_path: Path) -> tuple[dict,
                          "first (see this module's docstring)") from error
 
 
+def alone(work: Work) -> Work:
+    """A rank's SparseCore work timed alone: without the routing (the input distribution's)."""
+    return dataclasses.replace(work, routed_ids=0.0, routed_tables=0.0)
+
+
 def run_samples(plans: dict[str, ShardingPlan], measured: list[dict], tables: list[TableSpec], topology: Topology,
                 batch: int) -> list[ComputeSample]:
     """Per plan and rank, the rank's SparseCore work timed alone (its routing is not in it), and
@@ -115,8 +120,7 @@ def run_samples(plans: dict[str, ShardingPlan], measured: list[dict], tables: li
     for name, plan in plans.items():
         work = evaluate(plan, tables, topology, batch).device_work
         for rank, rows in enumerate(measured):
-            samples.append(ComputeSample(work=dataclasses.replace(work[rank], routed_ids=0.0),
-                                         seconds=rows[name]["sparsecore_ms"] / 1e3))
+            samples.append(ComputeSample(work=alone(work[rank]), seconds=rows[name]["sparsecore_ms"] / 1e3))
         slowest = max(range(len(measured)), key=lambda r: measured[r][name]["sparsecore_ms"])
         samples.append(ComputeSample(work=work[slowest], seconds=max(r[name]["step_ms"] for r in measured) / 1e3,
                                      with_exchanges=True))
@@ -327,10 +331,9 @@ def compare(plans: dict[str, ShardingPlan], measured: list[dict], tables: list[T
         predicted = evaluate(plan, tables, topology, batch, model=model)
         for rank, ranks_rows in enumerate(measured):
             m = ranks_rows[name]
-            # Timed alone, a rank's SparseCore work has no routing (the input distribution's).
-            alone = dataclasses.replace(predicted.device_work[rank], routed_ids=0.0, routed_tables=0.0)
             per_rank.append({"plan": name, "rank": rank,
-                             "pred_sparsecore_ms": compute_seconds(alone, topology, model) * 1e3,
+                             "pred_sparsecore_ms": compute_seconds(alone(predicted.device_work[rank]), topology,
+                                                                   model) * 1e3,
                              "meas_sparsecore_ms": m["sparsecore_ms"],
                              "pred_mib": predicted.device_bytes[rank] / 2**20, "meas_mib": m["peak_bytes"] / 2**20,
                              "mem_error": predicted.device_bytes[rank] / m["peak_bytes"] - 1})

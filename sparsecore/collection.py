@@ -188,6 +188,9 @@ class SparseCoreCollection(nn.Module):
         stack = self._stack_of(table)
         target = self._weights[stack.name]
         rows = logical_to_physical(stack, table)
+        if weight.shape != (rows.numel(), target.shape[1]):
+            raise ValueError(f"table {table!r}: weight of shape {tuple(weight.shape)}; expected "
+                             f"({rows.numel()}, {target.shape[1]})")
         # In slices: a whole table's copy on the device, on top of the stacks, could be what
         # does not fit in a full HBM.
         step = max(1, COPY_SLICE_BYTES // max(1, target.shape[1] * target.element_size()))
@@ -210,7 +213,6 @@ class SparseCoreCollection(nn.Module):
             if t.init_fn is not None:
                 t.init_fn(weight)
             self.set_table_weight(t.name, weight)
-            del weight
 
     @property
     def stacks(self) -> list[StackSpec]:

@@ -32,9 +32,12 @@ def check_coo(op, weight: torch.Tensor, row_pointers: torch.Tensor, embedding_id
     """The entries' rows within the owner's partition of ``weight``, their bags within ``num_bags``."""
     n = row_pointers.shape[0]
     valid = entries_in_groups(row_pointers, embedding_ids.shape[1]).to(embedding_ids.device)
-    debug.out_of_range(op, "embedding_ids", embedding_ids[valid], weight.shape[0] // n,
+    if not bool(valid.any()):
+        return
+    # Padding (outside every group) set to 0, in range: positions in the message are the buffers' own.
+    debug.out_of_range(op, "embedding_ids", embedding_ids.where(valid, 0), weight.shape[0] // n,
                        "the rows of a SparseCore's partition")
-    debug.out_of_range(op, "sample_ids", sample_ids[valid], num_bags, "the bags of the batch")
+    debug.out_of_range(op, "sample_ids", sample_ids.where(valid, 0), num_bags, "the bags of the batch")
 
 
 def _check_lookup(op, args, kwargs) -> None:

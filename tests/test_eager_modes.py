@@ -131,8 +131,14 @@ def zoo() -> dict:
 
 def run(model: nn.Module, x: torch.Tensor, mode: str) -> list[torch.Tensor]:
     """Forward, backward and one SGD step under ``mode``: the output, the gradients, the weights."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from torch_tpu.debug import DebugChecks
+
     model = model.to("tpu")
     with torch_tpu.eager_mode(mode):
+        # The checks really run in Debug (and not in Strict).
+        assert any(isinstance(m, DebugChecks) for m in _get_current_dispatch_mode_stack()) == (mode == "debug")
         out = model(x.to("tpu"))
         out.float().square().mean().backward()
         torch.optim.SGD(model.parameters(), lr=0.1).step()
@@ -173,3 +179,35 @@ def test_debug_dlrm_step_equals_strict_and_runs_the_engine_synchronously():
     torch_tpu.set_eager_mode("debug")
     done = torch.tpu.submit(torch.tpu.Stream(), lambda: 7)
     assert done.done() and done.result() == 7  # no worker thread: it ran before submit returned
+
+
+def test_debug_allows_what_pytorch_allows():
+    x = torch.arange(60.0, device="tpu").view(2, 3, 10)
+    mask = torch.tensor([[True, False, True], [False, True, False]], device="tpu")
+    torch_tpu.set_eager_mode("debug")
+    torch.testing.assert_close(x[:, :, torch.tensor([-1], device="tpu")].cpu(), x.cpu()[:, :, [-1]])
+    torch.testing.assert_close(x[mask, torch.tensor([7], device="tpu")].cpu(),
+                               x.cpu()[mask.cpu(), torch.tensor([7])])  # a 2-d mask takes two dims
+    with pytest.raises(IndexError, match=r"aten.index_select.default: index\[0\] = -1 is out of range"):
+        torch.index_select(x, 2, torch.tensor([-1], device="tpu"))  # index_select takes no negative index
+    # Uninitialized memory (here a freed buffer of -1 ints, read as floats: NaN) is not an op's result.
+    del x
+    garbage = torch.full((1024,), -1, dtype=torch.int32, device="tpu")
+    del garbage
+    torch.empty(1024, device="tpu")
+    torch.ones(4, device="tpu").new_empty(1024)
+
+
+def test_leaving_debug_under_a_later_dispatch_mode_is_refused():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    torch_tpu.set_eager_mode("debug")
+    with Passthrough():
+        with pytest.raises(RuntimeError, match="entered after it is active \\(Passthrough\\)"):
+            torch_tpu.set_eager_mode("strict")
+    torch_tpu.set_eager_mode("strict")
+    assert torch_tpu.get_eager_mode() is EagerMode.STRICT

@@ -101,6 +101,19 @@ def test_freed_blocks_are_cached_and_reused():
     del y
 
 
+def test_a_slightly_larger_request_reuses_a_cached_block():
+    # Steps ask for slightly different sizes (a batch's touched rows): size classes let the cache serve them.
+    torch.tpu.empty_cache()
+    x = torch.empty(5 * MiB + 1000, dtype=torch.uint8, device="tpu")
+    address = x.data_ptr()
+    del x
+    fresh = torch.tpu.memory_stats()["num_device_alloc"]
+    y = torch.empty(5 * MiB + 90_000, dtype=torch.uint8, device="tpu")
+    assert y.data_ptr() == address
+    assert torch.tpu.memory_stats()["num_device_alloc"] == fresh
+    del y
+
+
 def test_empty_cache_releases_reserved_but_keeps_live_counts():
     x = torch.ones(100, device="tpu")
     torch.empty(2 * MiB, dtype=torch.uint8, device="tpu")  # freed at once: cached

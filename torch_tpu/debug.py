@@ -112,9 +112,14 @@ def _check_dim_index(op, args, kwargs) -> None:  # (self, dim, index, ...)
 
 def _check_indices(op, args, kwargs) -> None:  # (self, indices, ...): advanced indexing
     self, indices = _arg(args, kwargs, 0, "self"), _arg(args, kwargs, 1, "indices")
-    for d, index in enumerate(indices or []):
-        if index is not None and d < self.dim():
-            out_of_range(op, f"indices[{d}]", index, self.shape[d], f"dimension {d} of self", negative_ok=True)
+    dim = 0  # the dimension of self the next index applies to: a k-dim mask takes k of them
+    for i, index in enumerate(indices or []):
+        if index is not None and index.dtype in (torch.bool, torch.uint8):
+            dim += index.dim()
+            continue
+        if index is not None and dim < self.dim():
+            out_of_range(op, f"indices[{i}]", index, self.shape[dim], f"dimension {dim} of self", negative_ok=True)
+        dim += 1
 
 
 def _check_embedding(op, args, kwargs) -> None:  # (weight, indices, ...)
@@ -130,6 +135,12 @@ for _op in (aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_):
     register_checker(_op, _check_indices)
 for _op in (aten.embedding, aten.embedding_bag, aten._embedding_bag, aten._embedding_bag_forward_only):
     register_checker(_op, _check_embedding)
+
+
+# Ops whose outputs are uninitialized memory (or storage set by hand): nothing to check.
+_UNINITIALIZED = {getattr(aten, name) for name in ("empty", "empty_like", "empty_strided", "new_empty",
+                                                   "new_empty_strided", "empty_permuted", "resize_", "set_")
+                  if hasattr(aten, name)}
 
 
 def _on_tpu(values: list) -> bool:
@@ -161,6 +172,6 @@ class DebugChecks(TorchDispatchMode):
         if checker is not None:
             checker(func, args, kwargs)
         out = func(*args, **kwargs)
-        if _nan_check != "off":  # (this mode is off while it runs: the check's own ops are not checked)
+        if _nan_check != "off" and func.overloadpacket not in _UNINITIALIZED:  # (this mode is off while it runs: the check's own ops are not checked)
             _check_finite(func, tree_flatten(out)[0])
         return out

@@ -15,7 +15,8 @@ DeferAndFuse, read when the mode is first asked for; or by
 ``set_eager_mode(...)`` and the ``eager_mode(...)`` context manager. Debug's
 checks run in a dispatch mode, which is per thread: they cover the thread
 that set the mode (and whatever work it submits to tpu streams, which runs
-inline in Debug).
+inline in Debug); another thread enters or leaves them when it next asks for
+the mode (as submitting to a stream does).
 """
 
 from __future__ import annotations
@@ -122,6 +123,12 @@ def _enter_checks_on_this_thread(mode: EagerMode) -> None:
         _local.checks = DebugChecks()
         _local.checks.__enter__()
     elif mode is not EagerMode.DEBUG and active is not None:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        if _get_current_dispatch_mode() is not active:
+            # Popping now would pop the mode entered after Debug's, not Debug's.
+            raise RuntimeError("cannot leave the Debug eager mode while a dispatch mode entered after it is "
+                               f"active ({type(_get_current_dispatch_mode()).__name__}); exit that mode first")
         _local.checks = None
         active.__exit__(None, None, None)
 

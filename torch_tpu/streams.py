@@ -130,6 +130,8 @@ def submit(stream: torch.Stream, fn: Callable[..., Any], /, *args: Any, **kwargs
             future.set_exception(error)
 
     if eager.is_synchronous():  # Debug: after what the stream holds, at once, on this thread
+        if stream.device.type != "tpu":
+            raise ValueError(f"Cannot submit to {stream}: not a tpu stream")
         stream.synchronize()
         task()
         return future

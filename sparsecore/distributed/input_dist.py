@@ -34,14 +34,24 @@ def _bag_gains(lengths: torch.Tensor, weights: torch.Tensor | None, combiner: st
     return w * scale[bag]
 
 
-def _split_for(route: Route, values: torch.Tensor, lengths: torch.Tensor, gains: torch.Tensor | None):
-    """(lengths, ids, weights) of one feature for one route."""
-    if route.rows is None:
-        return lengths, values, gains
-    keep = route.rows.shard_of(values) == route.shard
-    bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-    kept_lengths = torch.bincount(bag[keep], minlength=lengths.numel())
-    return kept_lengths, route.rows.local_ids(values[keep]), None if gains is None else gains[keep]
+def _splits(routes: list[Route], values: torch.Tensor, lengths: torch.Tensor,
+            gains: torch.Tensor | None) -> list[tuple]:
+    """(lengths, ids, weights) of one feature for each of its routes. A row-sharded feature's
+    owners, bags and per-shard lengths are worked out once for all its shards."""
+    rows = routes[0].rows
+    if rows is None:
+        return [(lengths, values, gains)] * len(routes)
+    owner = rows.shard_of(values)
+    local = rows.local_ids(values)
+    bags = lengths.numel()
+    bag = torch.repeat_interleave(torch.arange(bags), lengths)
+    shards = max(r.shard for r in routes) + 1
+    kept_lengths = torch.bincount(owner * bags + bag, minlength=shards * bags).view(shards, bags)
+    out = []
+    for route in routes:
+        keep = owner == route.shard
+        out.append((kept_lengths[route.shard], local[keep], None if gains is None else gains[keep]))
+    return out
 
 
 class InputDist:
@@ -88,8 +98,9 @@ class InputDist:
             if weighted:
                 combiner = self.combiners[feature] if feature in self.row_sharded else "sum"
                 gains = _bag_gains(lengths, weights, combiner, values.numel())
-            for route in self.routes[feature]:
-                per_rank[route.rank][route.local_feature] = _split_for(route, values, lengths, gains)
+            routes = self.routes[feature]
+            for route, split in zip(routes, _splits(routes, values, lengths, gains)):
+                per_rank[route.rank][route.local_feature] = split
         return per_rank
 
     def _rename(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:

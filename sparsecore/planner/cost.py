@@ -68,6 +68,19 @@ class CostModel:
     fitted_from: str = ""
     """What the constants were fitted to (empty: the priors)."""
 
+    def __post_init__(self) -> None:
+        for field in ("hbm_efficiency", "ici_efficiency"):
+            value = getattr(self, field)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"cost model {field}={value!r}; expected a positive number")
+        for field in ("id_s", "shard_s", "exchange_s", "route_id_s", "route_table_s", "gather_row_s",
+                      "row_statistic_s"):
+            value = getattr(self, field)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"cost model {field}={value!r}; expected a non-negative number of seconds")
+        if not 0 <= self.reserved_fraction < 1:
+            raise ValueError(f"cost model reserved_fraction={self.reserved_fraction!r}; expected 0 <= it < 1")
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -210,9 +223,9 @@ def shard_costs(table: TableSpec, kind: str, shards: int, topology: Topology, ba
     dim, rows = table.embedding_dim, table.num_embeddings
 
     def lookup(rows: int, width: int, shard_ids: float, out_rows: float, remote_share: float = remote,
-               training: bool = True) -> Work:
+               training: bool = True, drawn_from: float = ids) -> Work:
         return lookup_work(table, width=width, ids=shard_ids, out_rows=out_rows, remote_share=remote_share,
-                           batch_ids=ids, rows=rows, training=training)
+                           batch_ids=drawn_from, rows=rows, training=training)
 
     if kind == TABLE_WISE:
         return [priced(storage_bytes(table, rows, dim) + buffer_bytes(ids, batch, dim), lookup(rows, dim, ids, batch),
@@ -226,7 +239,8 @@ def shard_costs(table: TableSpec, kind: str, shards: int, topology: Topology, ba
                 # The whole row's squared gradient is summed over the column shards: the
                 # batch's row gradients come out of the fused backward, and one all_reduce.
                 touched = touched_rows(table, ids, ids, rows)
-                work = work + Work(row_statistics=touched, exchanged_bytes=remote * touched * 4, exchanges=1)
+                k = len(column_widths)  # a ring all_reduce of a float per row over the k shards
+                work = work + Work(row_statistics=touched, exchanged_bytes=2 * (k - 1) / k * touched * 4, exchanges=1)
                 transient = ids * (width * 4 + ID_BYTES)
             out.append(priced(storage_bytes(table, rows, width) + buffer_bytes(ids, batch, width) + transient, work,
                               topology, model))
@@ -245,14 +259,18 @@ def shard_costs(table: TableSpec, kind: str, shards: int, topology: Topology, ba
         # A replica looks up its own samples, gathers every replica's row gradients (and
         # ids), sums them per row and updates every row the global batch touched.
         local_ids, local_batch = ids / shards, batch / shards
-        local_rows = touched_rows(table, local_ids, ids, rows)
+        # Distinct among the replica's own ids (a smaller draw repeats less than its share of the batch's).
+        local_rows = touched_rows(table, local_ids, local_ids, rows)
         every_row = touched_rows(table, ids, ids, rows)
         row_bytes = dim * 4 + ID_BYTES
-        work = lookup(rows, dim, local_ids, local_batch, remote_share=0.0, training=False) + Work(
+        work = lookup(rows, dim, local_ids, local_batch, remote_share=0.0, training=False,
+                      drawn_from=local_ids) + Work(
             hbm_bytes=local_batch * dim * 4 + 2 * every_row * (dim * table.element_bytes + table.state_values(dim) * 4),
-            gathered_rows=shards * local_rows, exchanged_bytes=remote * shards * local_rows * row_bytes, exchanges=4)
-        # The rows' gradients, every replica's gathered (and joined), their sums.
+            gathered_rows=shards * local_rows, exchanged_bytes=remote * shards * local_rows * row_bytes,
+            exchanges=4)  # an all_gather of the sizes, then of the data, for the rows and for their gradients
+        # The rows' gradients, every replica's gathered (and joined), their sums. Its output rows
+        # are the device's own samples': device_baseline counts them.
         transient = local_ids * row_bytes + 2 * shards * local_rows * row_bytes + every_row * dim * 4
-        hbm = storage_bytes(table, rows, dim) + buffer_bytes(local_ids, local_batch, dim) + transient
+        hbm = storage_bytes(table, rows, dim) + buffer_bytes(local_ids, 0, dim) + transient
         return [priced(hbm, work, topology, model)] * shards
     raise ValueError(f"unknown sharding type {kind!r}; expected one of {list(SHARDING_TYPES)}")

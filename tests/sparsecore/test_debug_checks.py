@@ -54,9 +54,9 @@ def test_a_well_formed_batch_trains_under_debug_as_under_strict():
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("embedding_ids", 10_000, r"^sparsecore\.(fused_)?lookup\.default: embedding_ids\[\d+\] = 10000 is out of range for the "
+    ("embedding_ids", 10_000, r"^sparsecore\.(fused_)?lookup\.default: embedding_ids\[\d+, \d+\] = 10000 is out of range for the "
                               r"rows of a SparseCore's partition of size \d+"),
-    ("sample_ids", 500, r"^sparsecore\.(fused_)?lookup\.default: sample_ids\[\d+\] = 500 is out of range for the bags of the "
+    ("sample_ids", 500, r"^sparsecore\.(fused_)?lookup\.default: sample_ids\[\d+, \d+\] = 500 is out of range for the bags of the "
                         r"batch of size 6"),
 ])
 def test_debug_catches_a_corrupt_coo_entry(field, value, message):

@@ -267,8 +267,10 @@ c10::DataPtr TpuAllocator::allocate_on(size_t nbytes, c10::DeviceIndex device) {
         TORCH_CHECK_WITH(
             OutOfMemoryError, false,
             "tpu:", static_cast<int>(device), " out of memory: tried to allocate ",
-            format_bytes(nbytes), " with ", format_bytes(l.stats.allocated_bytes[kAll].current),
-            " allocated of ", format_bytes(capacity), " HBM capacity. Free tensors you no "
+            format_bytes(nbytes), " (a block of ", format_bytes(size), ") with ",
+            format_bytes(l.stats.allocated_bytes[kAll].current), " allocated (",
+            format_bytes(l.stats.reserved_bytes[kAll].current), " reserved) of ", format_bytes(capacity),
+            " HBM capacity. Free tensors you no "
             "longer need, use a smaller batch, or raise the emulated capacity with "
             "TORCH_TPU_HBM_BYTES.");
       }
