@@ -40,6 +40,7 @@ from torchrec.distributed.planner.types import PlannerError
 from benchmarks import report
 from benchmarks.planner_calibration import measure_plans
 from benchmarks.torchrec_planner import plan_with_torchrec
+from sparsecore.planner.report import summary
 from sparsecore.planner.cost import storage_bytes
 from sparsecore.planner import (
     CostModel,
@@ -80,16 +81,18 @@ def planning_rows(counts: list[int], torchrec_counts: set[int], topology, batch:
             started = time.perf_counter()
             result = plan_tables(tables, topology, batch)
             times.append(time.perf_counter() - started)
-        row = {"tables": count, "chips": topology.chips, "planning_s": min(times),
-               "max_step_ms": result.max_step_s * 1e3, "lower_bound_ms": result.lower_bound_s * 1e3,
-               "gap": result.gap, "max_hbm_gib": float(result.device_bytes.max()) / 2**30, "sharding": kinds(result)}
+        s = summary(result)
+        row = {"tables": count, "chips": topology.chips, "planning_s": min(times), "max_step_ms": s["max_step_ms"],
+               "lower_bound_ms": s["lower_bound_ms"], "gap": s["gap_to_lower_bound"], "max_hbm_gib": s["max_hbm_gib"],
+               "sharding": kinds(result)}
         line = (f"{count} tables onto {topology.chips} chips: {min(times):.2f} s; slowest device "
                 f"{row['max_step_ms']:.3f} ms (gap {result.gap:.1%} to the lower bound); {row['sharding']}")
         if count in torchrec_counts:
             theirs, seconds = plan_with_torchrec(tables, topology, batch)
             priced = evaluate(theirs, tables, topology, batch)
-            row.update({"torchrec_planning_s": seconds, "torchrec_max_step_ms": priced.max_step_s * 1e3,
-                        "torchrec_max_hbm_gib": float(priced.device_bytes.max()) / 2**30,
+            theirs_summary = summary(priced)
+            row.update({"torchrec_planning_s": seconds, "torchrec_max_step_ms": theirs_summary["max_step_ms"],
+                        "torchrec_max_hbm_gib": theirs_summary["max_hbm_gib"],
                         "torchrec_sharding": kinds(priced),
                         "x_step": priced.max_step_s / result.max_step_s, "x_planning": seconds / min(times)})
             line += (f"\n  TorchRec: {seconds:.2f} s ({row['x_planning']:.0f}x ours); its plan's slowest device under "
@@ -119,8 +122,9 @@ def measured_rows(counts: list[int], world: int, batch: int, row_cap: int, big_r
                   model: CostModel) -> list[dict]:
     """Both planners' plans of each case, trained here by ``world`` processes."""
     rows = []
+    chips = parse_topology(f"v5p:{world}")
     for label, tables, hbm_share in measured_cases(counts, row_cap, big_rows):
-        topology = parse_topology(f"v5p:{world}")
+        topology = chips
         if hbm_share:  # a device holds this share of all the tables' weights and state, with reserve
             total = sum(storage_bytes(t, t.num_embeddings, t.embedding_dim) for t in tables)
             topology = dataclasses.replace(topology, hbm_bytes=int(hbm_share * total / (1 - model.reserved_fraction)))
@@ -136,7 +140,8 @@ def measured_rows(counts: list[int], world: int, batch: int, row_cap: int, big_r
         if measured is None:
             raise SystemExit(f"the sharded runs of {label} failed")
         step = {name: max(rank[name]["step_ms"] for rank in measured) for name in plans}
-        priced = {name: evaluate(plan, tables, topology, batch, model=model) for name, plan in plans.items()}
+        priced = {name: ours if name == "ours" else evaluate(plan, tables, topology, batch, model=model)
+                  for name, plan in plans.items()}  # ours: plan_tables priced it already
         row = {"case": label, "world": world, "batch": batch, "hbm_gib": topology.hbm_bytes / 2**30,
                "ours_step_ms": step["ours"], "ours_predicted_ms": priced["ours"].max_step_s * 1e3,
                "ours_sharding": kinds(priced["ours"])}

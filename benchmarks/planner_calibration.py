@@ -241,7 +241,11 @@ def measure_plan(plan: ShardingPlan, configs, data, settings: Settings, anchor: 
         parts.append((sharded.engine, distributed))
     if sharded.replicas is not None:
         names = [f for c in sharded.replicas._configs for f in c.feature_names]
-        parts.append((sharded.replicas, [type(d).from_jt_dict({f: d.to_dict()[f] for f in names}) for d in data]))
+        own = []
+        for d in data:
+            jagged = d.to_dict()
+            own.append(type(d).from_jt_dict({f: jagged[f] for f in names}))
+        parts.append((sharded.replicas, own))
 
     def alone(i: int) -> None:
         for engine, batches in parts:
@@ -271,9 +275,10 @@ def run_rank(rank: int, world: int, port: int, settings: Settings) -> None:
         max_ids_per_partition=limit, max_unique_ids_per_partition=limit) for t in tables]
     data = [local_features(tables, settings.batch // world, rank, s) for s in range(4)]
     rows = {}
+    plans = {name: ShardingPlan.from_json(text) for name, text in settings.plans.items()}
     for _ in range(settings.passes):  # several passes over the plans: none gains from going first or last
-        for name, text in settings.plans.items():
-            row = measure_plan(ShardingPlan.from_dict(json.loads(text)), configs, data, settings, anchor)
+        for name, plan in plans.items():
+            row = measure_plan(plan, configs, data, settings, anchor)
             if name not in rows or row["step_ms"] < rows[name]["step_ms"]:
                 rows[name] = row
             if rank == 0:
@@ -376,10 +381,11 @@ def main(argv: list[str] | None = None) -> int:
     fitting = fit_tables()
     fit_plans = candidate_plans(fitting, topology, a.batch, None)
     fit_measured = measure(fitting, fit_plans)
-    compute = compute_samples(embedding) + run_samples(fit_plans, fit_measured, fitting, topology, a.batch)
+    engine = compute_samples(embedding)
+    compute = engine + run_samples(fit_plans, fit_measured, fitting, topology, a.batch)
     exchanges = exchange_samples(collectives)
     model = fit_cost_model(compute, exchanges, topology, fitted_from=(
-        f"{a.embedding_json.name} ({len(compute_samples(embedding))} engine steps, commit "
+        f"{a.embedding_json.name} ({len(engine)} engine steps, commit "
         f"{embedding.get('git', {}).get('head', '?')}), {a.collectives_json.name} ({len(exchanges)} all_to_all sizes), "
         f"{len(fit_plans)} sharded plans of {FIT_PRESET} on {a.world} processes"))
     errors = errors_of([*compute, *exchanges], topology, model)

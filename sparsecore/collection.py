@@ -246,14 +246,17 @@ class SparseCoreCollection(nn.Module):
                             self._steps[stack.name], self._hyper, *args, self._optimizer.kernel_code,
                             self._defers_updates)
 
-    def _update_of(self, stack: StackSpec, coo: tuple) -> Callable[[torch.Tensor], None]:
-        """The stack's optimizer step for a batch's ``coo``, given its output's gradient."""
+    def _update_of(self, stack: StackSpec, coo: tuple, hyper: torch.Tensor | None = None,
+                   deferred: bool | None = None) -> Callable[[torch.Tensor], None]:
+        """The stack's optimizer step for a batch's ``coo``, given its output's gradient; with
+        ``hyper`` (a snapshot) instead of the live hyperparameters, and ``deferred`` overriding
+        whether the step is queued on the executor."""
         state = (self._weights[stack.name], list(self._optimizer_state[stack.name].values()),
-                 self._steps[stack.name], self._hyper, coo, self._optimizer.kernel_code)
+                 self._steps[stack.name], self._hyper if hyper is None else hyper, coo, self._optimizer.kernel_code)
         exchange = self._row_exchanges.get(stack.name)
         if exchange is not None:
             return functools.partial(exchanged_update, *state, exchange, stack.rows_per_sparsecore)
-        return functools.partial(fused_update, *state, self._defers_updates)
+        return functools.partial(fused_update, *state, self._defers_updates if deferred is None else deferred)
 
     def _batch_of(self, features: KeyedJaggedTensor | PreprocessedBatch) -> PreprocessedBatch:
         batch = features if isinstance(features, PreprocessedBatch) else self.preprocess(features)

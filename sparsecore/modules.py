@@ -35,7 +35,6 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConf
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from sparsecore.collection import SparseCoreCollection
-from sparsecore.fused import fused_update
 from sparsecore.preprocess import PreprocessedBatch
 
 
@@ -73,9 +72,8 @@ class SparseCoreEmbeddingBagCollection(SparseCoreCollection):
         widths = [len(s.feature_names) * s.embedding_dim for s in self._stacks]
         for stack, part in zip(self._stacks, grad.split(widths, dim=1)):
             # (B, F x D) is the stack's (bags, D) output viewed, bag f * B + b at row b * F + f.
-            fused_update(self._weights[stack.name], list(self._optimizer_state[stack.name].values()),
-                         self._steps[stack.name], hyper, coos[stack.name], self._optimizer.kernel_code, False,
-                         part.contiguous().view(-1, stack.embedding_dim))
+            self._update_of(stack, coos[stack.name], hyper, deferred=False)(
+                part.contiguous().view(-1, stack.embedding_dim))
 
     @functools.cached_property
     def _inverse_column_order(self) -> torch.Tensor:

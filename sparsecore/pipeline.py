@@ -95,6 +95,8 @@ class TrainPipeline:
         self._features_of = sparse_features or default_sparse_features
         for module in self.modules:
             module.set_deferred_updates(True)
+        # Whose deferred errors each step raises: the executors of the modules' tpu devices.
+        self._executors = [executor_for(d) for d in {m._device for m in self.modules if m._device.type == "tpu"}]
         self.trace = trace
         if self._device.type == "tpu":
             executor_for(self._device).trace = trace
@@ -154,8 +156,8 @@ class TrainPipeline:
                 self._optimizer.step()
         self._current = upcoming
         self._done = upcoming is None
-        for device in {m._device for m in self.modules if m._device.type == "tpu"}:
-            executor_for(device).raise_deferred_error()
+        for executor in self._executors:
+            executor.raise_deferred_error()
         return output
 
     def synchronize(self) -> None:

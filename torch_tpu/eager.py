@@ -72,13 +72,15 @@ def _as_mode(mode: EagerMode | str) -> EagerMode:
 def get_eager_mode() -> EagerMode:
     """The current eager mode (the environment's until set)."""
     global _mode
-    with _lock:
-        if _mode is None:
-            _mode = mode_from_environment()
-            if _mode is EagerMode.DEFER_AND_FUSE:
-                _mode = None
-                _refuse_defer_and_fuse()
-        mode = _mode
+    mode = _mode  # read without the lock: it is on every stream submission's path
+    if mode is None:
+        with _lock:
+            if _mode is None:
+                _mode = mode_from_environment()
+                if _mode is EagerMode.DEFER_AND_FUSE:
+                    _mode = None
+                    _refuse_defer_and_fuse()
+            mode = _mode
     _enter_checks_on_this_thread(mode)
     return mode
 

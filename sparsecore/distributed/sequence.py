@@ -20,6 +20,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from sparsecore.distributed.layout import Route
 from sparsecore.distributed.output_dist import ByteCounter
+from sparsecore.distributed.output_dist import _exchange as all_to_all
 from sparsecore.distributed.plan import ShardingPlan
 from sparsecore.distributed.sharded import ShardedSparseCoreCollection
 from sparsecore.modules import SparseCoreEmbeddingCollection
@@ -41,23 +42,19 @@ class _AllToAll(torch.autograd.Function):
 
 def _exchange(flat: torch.Tensor, send: list[int], recv: list[int], group, counter: ByteCounter) -> torch.Tensor:
     counter.add([n * flat.element_size() for n in send])
-    out = flat.new_empty(sum(recv))
-    dist.all_to_all_single(out, flat, output_split_sizes=recv, input_split_sizes=send, group=group)
-    return out
+    return all_to_all(flat, send, recv, group)
 
 
 class ShardedSparseCoreEmbeddingCollection(ShardedSparseCoreCollection):
     """``forward(local KJT) -> dict[str, JaggedTensor]``, the unsharded module's contract for
     the rank's own samples (see the module docstring)."""
 
-    _weight_prefix = "embeddings"
-
     def __init__(self, module: SparseCoreEmbeddingCollection, plan: ShardingPlan,
                  process_group: dist.ProcessGroup | None = None):
         super().__init__(module, plan, process_group)
         self._max_seq_len = {f: c.max_seq_len for c in self._configs for f in c.feature_names
                              if c.max_seq_len is not None}
-        self._routes = self._layout.routes()
+        self._routes = self._input_dist.routes
         self._widths = {(s.rank, f): s.width for shards in self._layout.shards.values() for s in shards
                         for f in s.local_features}
         # (rank, local feature) -> (module feature, its route there)

@@ -50,7 +50,6 @@ class ShardedSparseCoreCollection(nn.Module):
     and replicas of data-parallel tables), their weights and optimizer state, and the input
     distribution. Subclasses add their output distribution and forward."""
 
-    _weight_prefix = ""  # the unsharded module's state_dict prefix: "embedding_bags" or "embeddings"
 
     def __init__(self, module: SparseCoreCollection, plan: ShardingPlan,
                  process_group: dist.ProcessGroup | None = None):
@@ -60,6 +59,7 @@ class ShardedSparseCoreCollection(nn.Module):
         if plan.world_size != world:
             raise ValueError(f"the plan is for {plan.world_size} ranks but the process group has {world}")
         self._configs = list(module._configs)
+        self._weight_prefix = module._weight_prefix  # the unsharded module's state_dict prefix
         self._optimizer = module._optimizer
         self.plan = plan
         self._layout = ShardLayout(self._configs, plan)
@@ -87,8 +87,6 @@ class ShardedSparseCoreCollection(nn.Module):
             self._share_row_statistics()
         self._input_dist = InputDist(self._layout, self._rank, process_group)
         self._combined_optimizer: KeyedOptimizer | None = None  # see fused_optimizer
-        self._keys = [f for c in self._configs for f in c.feature_names]
-        self._dims = [c.embedding_dim for c in self._configs for _ in c.feature_names]
 
     def _share_row_statistics(self) -> None:
         """Row-wise Adagrad on column-wise tables: peer column shards (one stack per slice of
@@ -150,6 +148,10 @@ class ShardedSparseCoreCollection(nn.Module):
 
     def _engines(self) -> list[SparseCoreCollection]:
         return [e for e in (self.engine, self.replicas) if e is not None]
+
+    def _peer_group(self) -> dist.ProcessGroup:
+        """A new process group of the same ranks (for collectives on another thread or queue)."""
+        return dist.new_group(dist.get_process_group_ranks(self._group or dist.group.WORLD))
 
     def wait_for_updates(self) -> None:
         for engine in self._engines():
@@ -224,8 +226,6 @@ class ShardedSparseCoreCollection(nn.Module):
 class ShardedSparseCoreEmbeddingBagCollection(ShardedSparseCoreCollection):
     """The sharded pooled collection (see the module docstring)."""
 
-    _weight_prefix = "embedding_bags"
-
     def __init__(self, module: SparseCoreEmbeddingBagCollection, plan: ShardingPlan,
                  process_group: dist.ProcessGroup | None = None):
         super().__init__(module, plan, process_group)
@@ -236,6 +236,8 @@ class ShardedSparseCoreEmbeddingBagCollection(ShardedSparseCoreCollection):
         self._ahead: tuple[concurrent.futures.ThreadPoolExecutor, InputDist] | None = None  # see prepare
         self._output_group: dist.ProcessGroup | None = None  # see set_deferred_updates
         self._prefetched: tuple[KeyedJaggedTensor, Pending] | None = None
+        self._keys = [f for c in self._configs for f in c.feature_names]
+        self._dims = [c.embedding_dim for c in self._configs for _ in c.feature_names]
 
     def embedding_bag_configs(self):
         return [c.config for c in self._configs]
@@ -313,8 +315,7 @@ class ShardedSparseCoreEmbeddingBagCollection(ShardedSparseCoreCollection):
         interleaving with the collectives of the calling thread. The first call creates
         that group: every rank must make it at the same point (as a pipeline does)."""
         if self._ahead is None:
-            ranks = dist.get_process_group_ranks(self._group if self._group is not None else dist.group.WORLD)
-            input_dist = InputDist(self._layout, self._rank, dist.new_group(ranks))
+            input_dist = InputDist(self._layout, self._rank, self._peer_group())
             self._ahead = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sparsecore-input-dist"),
                            input_dist)
         thread, input_dist = self._ahead
@@ -349,7 +350,7 @@ class ShardedSparseCoreEmbeddingBagCollection(ShardedSparseCoreCollection):
             self._output_group, self._output_dist.group = None, self._group
             return
         if self._output_group is None:
-            self._output_group = dist.new_group(dist.get_process_group_ranks(self._group or dist.group.WORLD))
+            self._output_group = self._peer_group()
         self._output_dist.group = self._output_group
 
 

@@ -73,8 +73,7 @@ class CostModel:
             value = getattr(self, field)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"cost model {field}={value!r}; expected a positive number")
-        for field in ("id_s", "shard_s", "exchange_s", "route_id_s", "route_table_s", "gather_row_s",
-                      "row_statistic_s"):
+        for field in (f.name for f in dataclasses.fields(self) if f.name.endswith("_s")):  # the per-unit times
             value = getattr(self, field)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"cost model {field}={value!r}; expected a non-negative number of seconds")
@@ -231,17 +230,18 @@ def shard_costs(table: TableSpec, kind: str, shards: int, topology: Topology, ba
         return [priced(storage_bytes(table, rows, dim) + buffer_bytes(ids, batch, dim), lookup(rows, dim, ids, batch),
                        topology, model)]
     if kind == COLUMN_WISE:
+        k = len(column_widths)
+        # Row-wise Adagrad: the whole row's squared gradient is summed over the column shards
+        # (the batch's row gradients come out of the fused backward, then one ring all_reduce
+        # of a float per row over the k shards).
+        summed = table.optimizer == "rowwise_adagrad" and k > 1
+        touched = touched_rows(table, ids, ids, rows) if summed else 0.0
+        statistic = Work(row_statistics=touched, exchanged_bytes=2 * (k - 1) / k * touched * 4, exchanges=1)
         out = []
         for width in column_widths:
-            work = lookup(rows, width, ids, batch)
-            transient = 0.0
-            if table.optimizer == "rowwise_adagrad" and len(column_widths) > 1:
-                # The whole row's squared gradient is summed over the column shards: the
-                # batch's row gradients come out of the fused backward, and one all_reduce.
-                touched = touched_rows(table, ids, ids, rows)
-                k = len(column_widths)  # a ring all_reduce of a float per row over the k shards
-                work = work + Work(row_statistics=touched, exchanged_bytes=2 * (k - 1) / k * touched * 4, exchanges=1)
-                transient = ids * (width * 4 + ID_BYTES)
+            work, transient = lookup(rows, width, ids, batch), 0.0
+            if summed:
+                work, transient = work + statistic, ids * (width * 4 + ID_BYTES)
             out.append(priced(storage_bytes(table, rows, width) + buffer_bytes(ids, batch, width) + transient, work,
                               topology, model))
         return out

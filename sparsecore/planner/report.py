@@ -30,7 +30,7 @@ def as_json(result: PlanResult) -> str:
     devices = [{"device": d, "hbm_bytes": int(result.device_bytes[d]), "compute_ms": result.device_compute_s[d] * 1e3,
                 "comm_ms": result.device_comm_s[d] * 1e3} for d in range(len(result.device_bytes))]
     tables = [{"table": p.table, "sharding_type": p.sharding_type, "ranks": list(p.ranks),
-               "hbm_bytes": sum(c.hbm_bytes for c in p.costs), "step_ms": sum(c.step_s for c in p.costs) * 1e3}
+               "hbm_bytes": p.hbm_bytes, "step_ms": p.step_s * 1e3}
               for p in result.placements]
     return json.dumps({"summary": summary(result), "plan": result.plan.to_dict(), "devices": devices,
                        "tables": tables}, indent=1)
@@ -46,9 +46,8 @@ def as_text(result: PlanResult, markdown: bool = False, most: int = 16) -> str:
                     f"{result.device_compute_s[d] * 1e3:.3f}", f"{result.device_comm_s[d] * 1e3:.3f}",
                     ", ".join(f"{k} {n}" for k, n in sorted(kinds[d].items()))]
                    for d in range(len(result.device_bytes))]
-    table_rows = [[p.table, p.sharding_type, _ranks(p.ranks), f"{sum(c.hbm_bytes for c in p.costs) / GiB:.3f}",
-                   f"{sum(c.step_s for c in p.costs) * 1e3:.3f}"]
-                  for p in sorted(result.placements, key=lambda p: -sum(c.step_s for c in p.costs))]
+    table_rows = [[p.table, p.sharding_type, _ranks(p.ranks), f"{p.hbm_bytes / GiB:.3f}", f"{p.step_s * 1e3:.3f}"]
+                  for p in sorted(result.placements, key=lambda p: -p.step_s)]
     s = summary(result)
     out = [_grid(["device", "HBM GiB used / usable", "compute ms", "comm ms", "shards"],
                  _head(device_rows, most), markdown), "",

@@ -56,6 +56,16 @@ class Placement:
     costs: tuple[ShardCost, ...]
     column_widths: tuple[int, ...] | None = None
 
+    @property
+    def hbm_bytes(self) -> int:
+        """Over all its shards."""
+        return sum(c.hbm_bytes for c in self.costs)
+
+    @property
+    def step_s(self) -> float:
+        """Over all its shards."""
+        return sum(c.step_s for c in self.costs)
+
 
 @dataclasses.dataclass
 class PlanResult:
@@ -233,7 +243,6 @@ def _lower_bound(options: Mapping[str, list], base_s: float, chips: int) -> tupl
     of those proposals over the chips: T >= max(part, sum of the cheapest such totals / chips).
     The bound is the least T that satisfies this (memory left aside), over what every device
     carries anyway."""
-    cheapest = {name: min(sum(s.step_s for s in p[2]) for p in props) for name, props in options.items()}
     events = sorted((max(s.step_s for s in p[2]), sum(s.step_s for s in p[2]), i)
                     for i, props in enumerate(options.values()) for p in props)
     best_total = [math.inf] * len(options)
@@ -248,7 +257,7 @@ def _lower_bound(options: Mapping[str, list], base_s: float, chips: int) -> tupl
             best_total[i] = total
         if not uncovered:
             bound = min(bound, max(part, spread / chips))
-    return base_s + bound, cheapest
+    return base_s + bound, dict(zip(options, best_total))  # after the sweep: each table's cheapest total
 
 
 def _result(tables: Sequence[TableSpec], placements: list[Placement], topology: Topology, state: _Loads,

@@ -3,8 +3,6 @@
 (column-wise under row-wise Adagrad and data-parallel tables hold their exchanged row
 gradients for a moment: the model counts those too)."""
 
-import json
-
 import pytest
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -51,7 +49,7 @@ def peak_of_training(rank: int, world: int, plan_json: str) -> int:
     base = torch.tpu.memory_allocated()
     module = sparsecore.SparseCoreEmbeddingBagCollection(configs, sparsecore.optim.RowWiseAdagrad(lr=0.01),
                                                          device="meta")
-    sharded = shard(module, ShardingPlan.from_dict(json.loads(plan_json)))
+    sharded = shard(module, ShardingPlan.from_json(plan_json))
     g = torch.Generator().manual_seed(rank)
     local = BATCH // world
     for _ in range(2):
