@@ -1,5 +1,6 @@
 """The ``torch.tpu`` module: registered with ``torch._register_device_module``."""
 
+from torch_tpu.compile_cache import compile_cache_stats
 from torch_tpu.device import (
     TpuDeviceProperties,
     _is_in_bad_fork,
@@ -49,6 +50,7 @@ __all__ = [
     "Stream",
     "StreamContext",
     "TpuDeviceProperties",
+    "compile_cache_stats",
     "current_device",
     "current_stream",
     "default_generator",

@@ -370,6 +370,12 @@ HostRedirect::~HostRedirect() {
   t_redirect = previous_;
 }
 
+c10::DeviceIndex exchange_host_redirect(c10::DeviceIndex device) {
+  const c10::DeviceIndex previous = t_redirect;
+  t_redirect = device;
+  return previous;
+}
+
 c10::Allocator* pinned_allocator() {
   static PinnedAllocator* allocator = new PinnedAllocator();
   return allocator;

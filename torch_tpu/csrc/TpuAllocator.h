@@ -51,6 +51,10 @@ class HostRedirect {
   c10::DeviceIndex previous_;
 };
 
+// Sets this thread's redirect (-1: none) and returns the one it replaces, for
+// code that cannot hold a HostRedirect (Python running compiled CPU graphs).
+c10::DeviceIndex exchange_host_redirect(c10::DeviceIndex device);
+
 // Page-locked host memory for DataLoader(pin_memory=True) and friends.
 c10::Allocator* pinned_allocator();
 bool is_pinned(const void* ptr);

@@ -33,25 +33,14 @@
 namespace torch_tpu {
 namespace {
 
-// A CPU tensor on the memory of a tpu tensor that owns a reference to the
-// tpu storage (HostScope's views borrow it; collectives may run past the call).
-at::Tensor owning_host_view(const at::Tensor& t) {
+// Gloo walks numel() elements from the data pointer: a strided view would be
+// read and written as if it were dense (plain gloo corrupts it silently). The
+// view owns a reference to the tpu storage: collectives may run past the call.
+at::Tensor collective_host_view(const at::Tensor& t) {
   TORCH_CHECK(t.layout() == c10::kStrided, "tpu_dist: only strided tensors are supported, got ", t.layout());
-  // Gloo walks numel() elements from the data pointer: a strided view would
-  // be read and written as if it were dense (plain gloo corrupts it silently).
   TORCH_CHECK(t.is_contiguous(), "tpu_dist: collectives need contiguous tensors, got sizes ", t.sizes(),
               " strides ", t.strides(), "; pass tensor.contiguous() and copy the result back");
-  c10::Storage tpu = t.storage();
-  void* data = tpu.mutable_data();
-  auto* owner = new c10::Storage(std::move(tpu));
-  c10::DataPtr ptr(data, owner, [](void* o) { delete static_cast<c10::Storage*>(o); },
-                   c10::Device(c10::DeviceType::CPU));
-  c10::Storage cpu(c10::Storage::use_byte_size_t(), owner->nbytes(), std::move(ptr), /*allocator=*/nullptr,
-                   /*resizable=*/false);
-  auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(cpu), c10::DispatchKeySet(c10::DispatchKey::CPU),
-                                                   t.dtype());
-  impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
-  return at::Tensor(std::move(impl));
+  return owning_host_view(t);
 }
 
 bool is_list_of_tensor_lists(const c10::IValue& v) {
@@ -101,7 +90,7 @@ class HostViews {
       // (e.g. the stream's kernel that produced the tensor gloo will read).
       wait_current_stream(t.device().index());
     }
-    at::Tensor host = owning_host_view(t);
+    at::Tensor host = collective_host_view(t);
     pairs_.push_back({t, host});
     return host;
   }

@@ -17,6 +17,16 @@ at::Tensor make_tensor(c10::Storage storage, c10::DispatchKey key, const at::Ten
   return at::Tensor(std::move(impl));
 }
 
+void release_tpu_storage(void* owner) {
+  delete static_cast<c10::Storage*>(owner);
+}
+
+// The tpu storage an owning host view's memory belongs to, or nullptr.
+const c10::Storage* viewed_tpu_storage(const c10::DataPtr& data) {
+  return data.get_deleter() == &release_tpu_storage ? static_cast<const c10::Storage*>(data.get_context())
+                                                    : nullptr;
+}
+
 bool same_geometry(const at::Tensor& a, const at::Tensor& b) {
   return a.sizes().equals(b.sizes()) && a.strides().equals(b.strides()) &&
       a.storage_offset() == b.storage_offset();
@@ -55,6 +65,17 @@ c10::DeviceIndex common_device(const char* op, c10::ArrayRef<at::Tensor> tensors
 
 at::Tensor make_tpu_tensor(c10::Storage storage, const at::Tensor& like) {
   return make_tensor(std::move(storage), c10::DispatchKey::PrivateUse1, like);
+}
+
+at::Tensor owning_host_view(const at::Tensor& t) {
+  TORCH_CHECK(t.layout() == c10::kStrided, "tpu supports strided tensors only, got ", t.layout());
+  c10::Storage tpu = t.storage();
+  void* data = tpu.mutable_data();
+  auto* owner = new c10::Storage(std::move(tpu));
+  c10::DataPtr ptr(data, owner, &release_tpu_storage, c10::Device(c10::DeviceType::CPU));
+  c10::Storage cpu(c10::Storage::use_byte_size_t(), owner->nbytes(), std::move(ptr), /*allocator=*/nullptr,
+                   /*resizable=*/false);
+  return make_tensor(std::move(cpu), c10::DispatchKey::CPU, t);
 }
 
 HostScope::HostScope(c10::DeviceIndex device, bool redirect)
@@ -149,6 +170,9 @@ c10::Storage HostScope::tpu_storage_for(const c10::Storage& cpu) {
     }
   }
   auto* impl = cpu.unsafeGetStorageImpl();
+  if (const c10::Storage* viewed = viewed_tpu_storage(impl->data_ptr())) {
+    return *viewed;  // a result aliasing an owning host view's tpu tensor
+  }
   const size_t nbytes = impl->nbytes();
   c10::DataPtr data;
   if (TpuAllocator::owns(impl->data_ptr())) {

@@ -67,6 +67,12 @@ c10::DeviceIndex common_device(const char* op, c10::ArrayRef<at::Tensor> tensors
 void check_operand_device(const char* op, const at::Tensor& t, c10::DeviceIndex* device,
                           bool allow_cpu_tensors);
 
+// A CPU tensor on the memory of a tpu tensor that holds a reference to the
+// tpu storage, so it may outlive the call that made it (HostScope's views
+// borrow the storage instead). HostScope::adopt turns a result on such a view
+// back into a tensor on the tpu storage.
+at::Tensor owning_host_view(const at::Tensor& t);
+
 // A tpu tensor with the geometry of `like` on the given tpu storage.
 at::Tensor make_tpu_tensor(c10::Storage storage, const at::Tensor& like);
 

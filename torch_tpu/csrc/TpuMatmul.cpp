@@ -3,6 +3,7 @@
 
 #include "TpuBf16Gemm.h"
 #include "TpuHost.h"
+#include "TpuMxu.h"
 #include "TpuPrecision.h"
 
 #include <ATen/ops/addmm.h>
@@ -23,6 +24,108 @@
 #include <vector>
 
 namespace torch_tpu {
+namespace {
+
+// The single-GEMM path for medium precision, when the shapes allow it.
+at::Tensor medium_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias,
+                       const c10::Scalar& beta, const c10::Scalar& alpha) {
+  if (effective_precision(a, b) != Precision::kMedium || (bias.defined() && !bias.is_floating_point())) {
+    return {};
+  }
+  return bf16_gemm(a, b, bias, beta.toFloat(), alpha.toFloat());
+}
+
+} // namespace
+
+namespace mxu {
+
+at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
+  if (auto fast = medium_gemm(a, b, {}, 0, 1); fast.defined()) {
+    return fast;
+  }
+  return on_mxu(a, b, [](const at::Tensor& x, const at::Tensor& y, bool) { return at::mm(x, y); });
+}
+
+at::Tensor bmm(const at::Tensor& a, const at::Tensor& b) {
+  if (effective_precision(a, b) == Precision::kMedium) {
+    if (auto fast = bf16_bmm(a, b); fast.defined()) {
+      return fast;
+    }
+  }
+  return on_mxu(a, b, [](const at::Tensor& a, const at::Tensor& b, bool) { return at::bmm(a, b); });
+}
+
+at::Tensor addmm(const at::Tensor& bias, const at::Tensor& a, const at::Tensor& b, const c10::Scalar& beta,
+                 const c10::Scalar& alpha) {
+  if (auto fast = medium_gemm(a, b, bias, beta, alpha); fast.defined()) {
+    return fast;
+  }
+  return on_mxu(a, b, [&](const at::Tensor& a, const at::Tensor& b, bool rest) {
+    return rest ? at::addmm(bias, a, b, beta, alpha) : at::mm(a, b).mul_(alpha);
+  });
+}
+
+at::Tensor baddbmm(const at::Tensor& bias, const at::Tensor& a, const at::Tensor& b, const c10::Scalar& beta,
+                   const c10::Scalar& alpha) {
+  return on_mxu(a, b, [&](const at::Tensor& a, const at::Tensor& b, bool rest) {
+    return rest ? at::baddbmm(bias, a, b, beta, alpha) : at::bmm(a, b).mul_(alpha);
+  });
+}
+
+at::Tensor convolution(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                       c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation,
+                       bool transposed, c10::IntArrayRef output_padding, int64_t groups) {
+  return on_mxu(input, weight, [&](const at::Tensor& x, const at::Tensor& w, bool rest) {
+    return at::convolution(x, w, rest ? bias : std::nullopt, stride, padding, dilation, transposed,
+                           output_padding, groups);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward(
+    const at::Tensor& go, const at::Tensor& x, const at::Tensor& w, c10::IntArrayRef stride,
+    c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed, c10::IntArrayRef output_padding,
+    int64_t groups, std::array<bool, 3> output_mask) {
+  // grad_input is bilinear in (grad_output, weight), grad_weight in
+  // (grad_output, input): one pass per (grad_output, {input, weight}) pair.
+  const std::array<bool, 3> mask{output_mask[0], output_mask[1], false};
+  auto pass = [&](const at::Tensor& g, const at::Tensor& xi, const at::Tensor& wi) {
+    return at::convolution_backward(g, xi, wi, std::nullopt, stride, padding, dilation, transposed,
+                                    output_padding, groups, mask);
+  };
+  auto accumulate = [&](std::tuple<at::Tensor, at::Tensor, at::Tensor>& acc,
+                        const std::tuple<at::Tensor, at::Tensor, at::Tensor>& more) {
+    if (std::get<0>(acc).defined()) std::get<0>(acc).add_(std::get<0>(more));
+    if (std::get<1>(acc).defined()) std::get<1>(acc).add_(std::get<1>(more));
+  };
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> result;
+  switch (effective_precision(go, w)) {
+    case Precision::kHighest:
+      result = pass(go, x, w);
+      break;
+    case Precision::kMedium:
+      result = pass(round_to_bf16(go), round_to_bf16(x), round_to_bf16(w));
+      break;
+    case Precision::kHigh: {
+      const auto go_hi = round_to_bf16(go), x_hi = round_to_bf16(x), w_hi = round_to_bf16(w);
+      const auto go_lo = round_to_bf16(at::sub(go, go_hi)), x_lo = round_to_bf16(at::sub(x, x_hi)),
+                 w_lo = round_to_bf16(at::sub(w, w_hi));
+      result = pass(go_hi, x_hi, w_hi);
+      accumulate(result, pass(go_hi, x_lo, w_lo));
+      accumulate(result, pass(go_lo, x_hi, w_hi));
+      break;
+    }
+  }
+  if (output_mask[2]) {
+    // Not an MXU op: the exact sum over everything but channels.
+    std::vector<int64_t> dims{0};
+    for (int64_t d = 2; d < go.dim(); ++d) dims.push_back(d);
+    std::get<2>(result) = at::sum(go, dims);
+  }
+  return result;
+}
+
+} // namespace mxu
+
 namespace {
 
 // Runs `compute` on views inside a HostScope and returns its result on tpu.
@@ -46,34 +149,15 @@ at::Tensor& into(at::Tensor& out, const at::Tensor& result) {
   return out;
 }
 
-// The single-GEMM path for medium precision, when the shapes allow it.
-at::Tensor medium_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias,
-                       const c10::Scalar& beta, const c10::Scalar& alpha) {
-  if (effective_precision(a, b) != Precision::kMedium || (bias.defined() && !bias.is_floating_point())) {
-    return {};
-  }
-  return bf16_gemm(a, b, bias, beta.toFloat(), alpha.toFloat());
-}
-
 at::Tensor tpu_mm(const at::Tensor& self, const at::Tensor& mat2) {
   return on_host("mm", {self, mat2}, [&](HostScope& s) {
-    const auto a = s.view(self), b = s.view(mat2);
-    if (auto fast = medium_gemm(a, b, {}, 0, 1); fast.defined()) {
-      return fast;
-    }
-    return on_mxu(a, b, [](const at::Tensor& x, const at::Tensor& y, bool) { return at::mm(x, y); });
+    return mxu::mm(s.view(self), s.view(mat2));
   });
 }
 
 at::Tensor tpu_bmm(const at::Tensor& self, const at::Tensor& mat2) {
   return on_host("bmm", {self, mat2}, [&](HostScope& s) {
-    const auto a = s.view(self), b = s.view(mat2);
-    if (effective_precision(a, b) == Precision::kMedium) {
-      if (auto fast = bf16_bmm(a, b); fast.defined()) {
-        return fast;
-      }
-    }
-    return on_mxu(a, b, [](const at::Tensor& a, const at::Tensor& b, bool) { return at::bmm(a, b); });
+    return mxu::bmm(s.view(self), s.view(mat2));
   });
 }
 
@@ -94,24 +178,14 @@ at::Tensor tpu_dot(const at::Tensor& self, const at::Tensor& other) {
 at::Tensor tpu_addmm(const at::Tensor& self, const at::Tensor& mat1, const at::Tensor& mat2,
                  const c10::Scalar& beta, const c10::Scalar& alpha) {
   return on_host("addmm", {self, mat1, mat2}, [&](HostScope& s) {
-    const auto bias = s.view(self);
-    const auto a = s.view(mat1), b = s.view(mat2);
-    if (auto fast = medium_gemm(a, b, bias, beta, alpha); fast.defined()) {
-      return fast;
-    }
-    return on_mxu(a, b, [&](const at::Tensor& a, const at::Tensor& b, bool rest) {
-      return rest ? at::addmm(bias, a, b, beta, alpha) : at::mm(a, b).mul_(alpha);
-    });
+    return mxu::addmm(s.view(self), s.view(mat1), s.view(mat2), beta, alpha);
   });
 }
 
 at::Tensor tpu_baddbmm(const at::Tensor& self, const at::Tensor& batch1, const at::Tensor& batch2,
                    const c10::Scalar& beta, const c10::Scalar& alpha) {
   return on_host("baddbmm", {self, batch1, batch2}, [&](HostScope& s) {
-    const auto bias = s.view(self);
-    return on_mxu(s.view(batch1), s.view(batch2), [&](const at::Tensor& a, const at::Tensor& b, bool rest) {
-      return rest ? at::baddbmm(bias, a, b, beta, alpha) : at::bmm(a, b).mul_(alpha);
-    });
+    return mxu::baddbmm(s.view(self), s.view(batch1), s.view(batch2), beta, alpha);
   });
 }
 
@@ -189,10 +263,8 @@ at::Tensor convolution(const at::Tensor& input, const at::Tensor& weight,
     if (bias.has_value() && bias->defined()) {
       b = s.view(*bias);
     }
-    return on_mxu(s.view(input), s.view(weight), [&](const at::Tensor& x, const at::Tensor& w, bool rest) {
-      return at::convolution(x, w, rest ? b : std::nullopt, stride, padding, dilation, transposed,
-                             output_padding, groups);
-    });
+    return mxu::convolution(s.view(input), s.view(weight), b, stride, padding, dilation, transposed,
+                            output_padding, groups);
   });
 }
 
@@ -201,48 +273,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward(
     c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed,
     c10::IntArrayRef output_padding, int64_t groups, std::array<bool, 3> output_mask) {
   HostScope scope(common_device("convolution_backward", {grad_output, input, weight}));
-  const auto go = scope.view(grad_output);
-  const auto x = scope.view(input);
-  const auto w = scope.view(weight);
-  // grad_input is bilinear in (grad_output, weight), grad_weight in
-  // (grad_output, input): one pass per (grad_output, {input, weight}) pair.
-  const std::array<bool, 3> mask{output_mask[0], output_mask[1], false};
-  auto pass = [&](const at::Tensor& g, const at::Tensor& xi, const at::Tensor& wi) {
-    return at::convolution_backward(g, xi, wi, std::nullopt, stride, padding, dilation, transposed,
-                                    output_padding, groups, mask);
-  };
-  auto accumulate = [&](std::tuple<at::Tensor, at::Tensor, at::Tensor>& acc,
-                        const std::tuple<at::Tensor, at::Tensor, at::Tensor>& more) {
-    if (std::get<0>(acc).defined()) std::get<0>(acc).add_(std::get<0>(more));
-    if (std::get<1>(acc).defined()) std::get<1>(acc).add_(std::get<1>(more));
-  };
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> result;
-  switch (effective_precision(go, w)) {
-    case Precision::kHighest:
-      result = pass(go, x, w);
-      break;
-    case Precision::kMedium:
-      result = pass(round_to_bf16(go), round_to_bf16(x), round_to_bf16(w));
-      break;
-    case Precision::kHigh: {
-      const auto go_hi = round_to_bf16(go), x_hi = round_to_bf16(x), w_hi = round_to_bf16(w);
-      const auto go_lo = round_to_bf16(at::sub(go, go_hi)), x_lo = round_to_bf16(at::sub(x, x_hi)),
-                 w_lo = round_to_bf16(at::sub(w, w_hi));
-      result = pass(go_hi, x_hi, w_hi);
-      accumulate(result, pass(go_hi, x_lo, w_lo));
-      accumulate(result, pass(go_lo, x_hi, w_hi));
-      break;
-    }
-  }
-  at::Tensor grad_bias;
-  if (output_mask[2]) {
-    // Not an MXU op: the exact sum over everything but channels.
-    std::vector<int64_t> dims{0};
-    for (int64_t d = 2; d < go.dim(); ++d) dims.push_back(d);
-    grad_bias = at::sum(go, dims);
-  }
+  auto result = mxu::convolution_backward(scope.view(grad_output), scope.view(input), scope.view(weight), stride,
+                                          padding, dilation, transposed, output_padding, groups, output_mask);
   scope.write_back();
-  return {scope.adopt(std::get<0>(result)), scope.adopt(std::get<1>(result)), scope.adopt(grad_bias)};
+  return {scope.adopt(std::get<0>(result)), scope.adopt(std::get<1>(result)), scope.adopt(std::get<2>(result))};
 }
 
 } // namespace

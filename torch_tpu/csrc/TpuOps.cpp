@@ -3,6 +3,7 @@
 #include "TpuDevice.h"
 #include "TpuFallback.h"
 #include "TpuGenerator.h"
+#include "TpuHost.h"
 #include "TpuPrecision.h"
 #include "TpuStream.h"
 
@@ -33,6 +34,42 @@ std::optional<at::Generator> default_generator_op(int64_t device) {
   return default_generator(static_cast<c10::DeviceIndex>(device));
 }
 
+// Compiled CPU graphs run on tpu tensors (torch_tpu/compiler): their inputs
+// as host views, their allocations redirected to tpu memory, their results
+// adopted back as tpu tensors - nothing is copied on the way in or out.
+std::vector<at::Tensor> host_views_op(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> views;
+  views.reserve(tensors.size());
+  c10::DeviceIndex waited = -1;
+  for (const at::Tensor& t : tensors) {
+    if (!is_tpu(t)) {
+      views.push_back(t);
+      continue;
+    }
+    if (t.device().index() != waited) {
+      waited = t.device().index();
+      wait_current_stream(waited);  // as every tpu op: queued work comes first
+    }
+    views.push_back(owning_host_view(t));
+  }
+  return views;
+}
+
+int64_t redirect_host_allocations_op(int64_t device) {
+  TORCH_CHECK(device >= -1 && device < device_count(), "redirect to tpu:", device, ": no such device");
+  return exchange_host_redirect(static_cast<c10::DeviceIndex>(device));
+}
+
+std::vector<at::Tensor> adopt_host_results_op(const std::vector<at::Tensor>& results, int64_t device) {
+  HostScope scope(static_cast<c10::DeviceIndex>(device), /*redirect=*/false);
+  std::vector<at::Tensor> adopted;
+  adopted.reserve(results.size());
+  for (const at::Tensor& r : results) {
+    adopted.push_back(scope.adopt(r));
+  }
+  return adopted;
+}
+
 } // namespace
 
 TORCH_LIBRARY(torch_tpu, m) {
@@ -41,6 +78,9 @@ TORCH_LIBRARY(torch_tpu, m) {
   m.def("_get_matmul_precision() -> int", get_precision_op);
   m.def("_hbm_capacity() -> int", hbm_capacity_op);
   m.def("_default_generator(int device) -> Generator?", default_generator_op);
+  m.def("_host_views(Tensor[] tensors) -> Tensor[]", host_views_op);
+  m.def("_redirect_host_allocations(int device) -> int", redirect_host_allocations_op);
+  m.def("_adopt_host_results(Tensor[] results, int device) -> Tensor[]", adopt_host_results_op);
 }
 
 } // namespace torch_tpu

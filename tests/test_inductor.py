@@ -1,0 +1,145 @@
+"""Inductor on tpu (torch_tpu.inductor) and torch.compile(backend="tpu"):
+compiled results equal Strict's (forward, gradients, optimizer step), matmul
+precision included; buffers and outputs live in tpu memory; outputs that
+alias inputs share their storage; graphs that cannot keep tpu semantics run
+op by op; the runner keeps whichever of compiled / op by op measures faster."""
+
+import copy
+import time
+
+import pytest
+import torch
+import torch.fx
+from torch import nn
+
+from torch_tpu import inductor
+
+
+def zoo() -> dict:
+    torch.manual_seed(0)
+    cnn = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 4))
+    block = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True)
+    dense = nn.Sequential(nn.Linear(13, 64), nn.ReLU(), nn.Linear(64, 16), nn.ReLU())
+    return {"mlp": (nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 4)),
+                    torch.randn(8, 16)),
+            "cnn with batchnorm": (cnn, torch.randn(4, 3, 8, 8)),
+            "transformer block": (block, torch.randn(2, 10, 32)),
+            "dlrm dense arch": (dense, torch.randn(64, 13))}
+
+
+def train_steps(model: nn.Module, x: torch.Tensor, compiled: bool, steps: int = 2) -> list[torch.Tensor]:
+    """Forward, backward and an SGD step, `steps` times: outputs, grads, weights, buffers. (Not Adam: gradients
+    that are zero in exact arithmetic - a key bias under softmax - are rounding noise, which Adam scales to
+    lr-sized steps of random sign.)"""
+    model = copy.deepcopy(model).to("tpu")
+    fn = torch.compile(model, backend="tpu") if compiled else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+    outs = []
+    for _ in range(steps):
+        opt.zero_grad()
+        out = fn(x.to("tpu"))
+        out.square().mean().backward()
+        opt.step()
+        outs.append(out.detach().cpu())
+    return outs + [p.grad.cpu() for p in model.parameters()] + [t.detach().cpu() for t in model.state_dict().values()]
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn with batchnorm", "transformer block", "dlrm dense arch"])
+def test_compiled_training_equals_strict(name):
+    model, x = zoo()[name]
+    strict = train_steps(model, x, compiled=False)
+    compiled = train_steps(model, x, compiled=True)
+    assert len(strict) == len(compiled)
+    for a, b in zip(strict, compiled):
+        # Fused reductions sum in another order: fp32 rounding apart, no more.
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_matmuls_keep_the_tpu_precision():
+    torch.manual_seed(0)
+    a, b = torch.randn(64, 256), torch.randn(256, 32)
+    fn = torch.compile(lambda x, y: torch.relu(x @ y) + 1, backend="tpu")
+    exact = torch.relu(a @ b) + 1
+    rounded = torch.relu(a.bfloat16().float() @ b.bfloat16().float()) + 1
+    with torch.tpu.precision("medium"):
+        medium_strict = (torch.relu(a.to("tpu") @ b.to("tpu")) + 1).cpu()
+        medium = fn(a.to("tpu"), b.to("tpu")).cpu()
+    torch.testing.assert_close(medium, medium_strict, rtol=0, atol=0)
+    torch.testing.assert_close(medium, rounded, rtol=1e-5, atol=1e-5)
+    assert (medium - exact).abs().max() > 1e-3  # bf16 operands, visibly
+    # The precision is read when the graph runs, not when it was compiled.
+    with torch.tpu.precision("highest"):
+        torch.testing.assert_close(fn(a.to("tpu"), b.to("tpu")).cpu(), exact, rtol=1e-5, atol=1e-5)
+
+
+def trace(fn, *args) -> torch.fx.GraphModule:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn, tracing_mode="fake")(*args)
+
+
+def test_buffers_and_outputs_live_in_tpu_memory():
+    x = torch.randn(256, 256, device="tpu")
+
+    def f(x):
+        return (x.sin() @ x.cos()).tanh().sum(0)
+
+    runner = inductor.compile_graph(trace(f, x), [x], choose=False)
+    torch.tpu.synchronize()
+    before = torch.tpu.memory_allocated()
+    torch.tpu.reset_peak_memory_stats()
+    out = runner(x)[0] if isinstance(runner(x), (list, tuple)) else runner(x)
+    assert out.device.type == "tpu"
+    torch.testing.assert_close(out.cpu(), f(x.cpu()), rtol=1e-4, atol=1e-3)
+    assert torch.tpu.memory_allocated() - before == out.untyped_storage().nbytes()
+    # The 256x256 intermediates were tpu allocations too.
+    assert torch.tpu.max_memory_allocated() - before >= 256 * 256 * 4
+
+
+def test_outputs_that_alias_inputs_share_their_storage():
+    x = torch.randn(8, 6, device="tpu")
+    runner = inductor.compile_graph(trace(lambda x: (x[2:], x * 2), x), [x], choose=False)
+    view, doubled = runner(x)
+    assert view.device.type == "tpu" and doubled.device.type == "tpu"
+    assert view.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    x.add_(1)
+    torch.testing.assert_close(view.cpu(), x.cpu()[2:])
+
+
+def test_a_matmul_without_an_mxu_op_runs_op_by_op():
+    a, v = torch.randn(16, 8, device="tpu"), torch.randn(8, device="tpu")
+    gm = trace(lambda a, v: torch.mv(a, v).exp(), a, v)
+    assert any(n.target == torch.ops.aten.mv.default for n in gm.graph.nodes)
+    with pytest.raises(inductor.NotCompilable, match="aten.mv"):
+        inductor.host_graph(gm)
+    with torch.tpu.precision("medium"):
+        runner = inductor.compile_graph(gm, [a, v])
+        assert runner is gm  # op by op: the tpu's mv at medium precision
+        torch.testing.assert_close(runner(a, v).cpu(), torch.mv(a, v).exp().cpu(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("faster", ["compiled", "replay"])
+def test_the_runner_keeps_the_faster_variant(faster):
+    calls = {"compiled": 0, "replay": 0}
+
+    def variant(name):
+        def run(x):
+            calls[name] += 1
+            time.sleep(0.0 if name == faster else 0.01)
+            return x + 1
+        return run
+
+    runner = inductor.ChoosingRunner(variant("compiled"), variant("replay"))
+    x = torch.zeros(2, device="tpu")
+    for _ in range(2 * (runner.TRIALS + 1)):
+        torch.testing.assert_close(runner(x).cpu(), torch.ones(2))
+    assert runner.runs_compiled == (faster == "compiled")
+    before = dict(calls)
+    runner(x)
+    assert calls[faster] == before[faster] + 1
+
+
+def test_the_tpu_backend_is_found_by_name():
+    from torch._dynamo import list_backends
+
+    assert "tpu" in list_backends(exclude_tags=())

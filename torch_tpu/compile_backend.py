@@ -1,0 +1,95 @@
+"""``torch.compile(model, backend="tpu")``: Dynamo's graph, AOTAutograd's
+forward and backward on tpu tensors, each compiled by Inductor on tpu
+(torch_tpu.inductor) through the three-tier compile cache.
+
+Graphs are compiled for static shapes only. When Dynamo hands over a graph
+with symbolic sizes (it does once a function has been called with other
+shapes: "automatic dynamic"), the backend compiles one specialization per
+shape signature seen, at its first call, up to ``MAX_SPECIALIZATIONS``; past
+that it warns once and runs new shapes op by op (uncompiled), so a loop over
+ever-changing shapes never compiles without bound.
+
+Registered with Dynamo by the ``torch_dynamo_backends`` entry point, so
+importing torch_tpu does not import Dynamo.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from torch_tpu import inductor
+
+logger = logging.getLogger(__name__)
+
+MAX_SPECIALIZATIONS = 8
+
+
+def _compile_boxed(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    from functorch.compile import make_boxed_func
+
+    return make_boxed_func(inductor.compile_graph(gm, example_inputs))
+
+
+def _aot_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    backend = aot_autograd(
+        fw_compiler=_compile_boxed,
+        bw_compiler=_compile_boxed,
+        inference_compiler=_compile_boxed,
+        decompositions=inductor.decompositions(),
+        partition_fn=min_cut_rematerialization_partition,
+        keep_inference_input_mutations=True,
+    )
+    return backend(gm, example_inputs, **kwargs)
+
+
+def _is_symbolic(value: Any) -> bool:
+    if isinstance(value, torch.SymInt):
+        return True
+    return isinstance(value, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in (*value.shape,
+                                                                                         *value.stride()))
+
+
+def _signature(args: Sequence[Any]) -> tuple:
+    return tuple((tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a
+                 for a in args)
+
+
+class ShapeSpecializations:
+    """A symbolic-shape graph run as static-shape compiles, one per signature."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        self.gm = gm
+        self.compiled: dict[tuple, Callable[..., Any]] = {}
+        self._warned = False
+
+    def __call__(self, *args: Any) -> Any:
+        key = _signature(args)
+        fn = self.compiled.get(key)
+        if fn is None:
+            if len(self.compiled) >= MAX_SPECIALIZATIONS:
+                if not self._warned:
+                    self._warned = True
+                    warnings.warn(
+                        f"torch.compile(backend='tpu'): {len(self.compiled)} shape specializations of one graph "
+                        f"(MAX_SPECIALIZATIONS); further shapes run uncompiled. Pad inputs to a few fixed "
+                        f"sizes to stay compiled.", RuntimeWarning, stacklevel=2)
+                return self.gm(*args)
+            fn = self.compiled[key] = _aot_compile(self.gm, list(args))
+        return fn(*args)
+
+
+def tpu_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
+    """The Dynamo backend: AOTAutograd with Inductor-on-tpu for every graph."""
+    if any(_is_symbolic(x) for x in example_inputs):
+        logger.info("graph with symbolic shapes: compiled per shape signature at first call")
+        return ShapeSpecializations(gm)
+    return _aot_compile(gm, example_inputs, **kwargs)

@@ -1,0 +1,243 @@
+"""Inductor on tpu: ATen graphs compiled by Inductor's CPU code generator and
+run on zero-copy host views of tpu tensors.
+
+Why not Inductor's own path for a registered device: on torch 2.13 the C++
+code generator emits scalar loops for any device but "cpu" (``cpp.simdlen=0``
+is required, vectorized codegen asserts), which loses to the vectorized CPU
+kernels (``benchmarks/inductor_codegen.py`` measures both). A tpu tensor is
+host memory, so a graph compiled for cpu runs on it unchanged:
+
+* inputs enter as host views (``torch.ops.torch_tpu._host_views``: CPU tensors
+  on the tpu storage, after the tpu stream's queued work);
+* while it runs, CPU allocations on the thread come from the tpu allocator
+  (``_redirect_host_allocations``), so buffers and outputs are tpu memory,
+  counted in ``torch.tpu.memory_allocated``;
+* outputs are re-tagged as tpu tensors (``_adopt_host_results``); an output
+  that aliases an input comes back on the input's tpu storage.
+
+Matmul-family nodes become ``torch.ops.torch_tpu.mxu_*``, the tpu kernels on
+CPU tensors, so compiled matmuls give Strict's numbers at the precision set
+when they run. A graph that cannot be compiled (an op without a CPU kernel, a
+matmul-family op with no MXU counterpart here) runs op by op on tpu instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+from torch_tpu.compile_cache import compile_cache, graph_key
+
+logger = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+_mxu = torch.ops.torch_tpu
+
+# aten overload packet -> its MXU op (same arguments).
+MXU_OPS: dict[Any, Any] = {
+    aten.mm: _mxu.mxu_mm,
+    aten.bmm: _mxu.mxu_bmm,
+    aten.addmm: _mxu.mxu_addmm,
+    aten.baddbmm: _mxu.mxu_baddbmm,
+    aten.convolution: _mxu.mxu_convolution,
+    aten.convolution_backward: _mxu.mxu_convolution_backward,
+}
+# Matmul-family ops the tpu runs at MXU precision with no compiled counterpart
+# here: a graph holding one (at fp32) runs op by op rather than exactly.
+UNMAPPED_MXU_OPS = frozenset(
+    [aten.mv, aten.dot, aten.addmv, aten.addbmm, aten._addmm_activation, aten.matmul, aten.linear]
+)
+
+
+class NotCompilable(RuntimeError):
+    """The graph holds something the CPU compile cannot run with tpu semantics."""
+
+
+def decompositions() -> dict[Any, Callable]:
+    """Inductor's decompositions minus the matmul family: those stay whole so
+    they become MXU ops (Inductor would turn small mm/mv into exact sums)."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    keep = set(MXU_OPS) | UNMAPPED_MXU_OPS
+    return {op: fn for op, fn in select_decomp_table().items() if getattr(op, "overloadpacket", op) not in keep}
+
+
+def _host_device(value: Any) -> Any:
+    if isinstance(value, torch.device) and value.type == "tpu":
+        return torch.device("cpu")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_host_device(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _host_device(v) for k, v in value.items()}
+    return value
+
+
+def _is_fp32_mxu(node: torch.fx.Node) -> bool:
+    values = [a.meta.get("val") for a in node.all_input_nodes]
+    return any(isinstance(v, torch.Tensor) and v.dtype == torch.float32 for v in values)
+
+
+def host_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of an ATen graph for the CPU compiler: tpu devices become cpu,
+    matmul-family nodes their MXU ops. Raises NotCompilable for an fp32
+    matmul-family op without an MXU op."""
+    host = copy.deepcopy(gm)
+    for node in host.graph.nodes:
+        if node.op != "call_function":
+            continue
+        node.args = _host_device(node.args)
+        node.kwargs = _host_device(node.kwargs)
+        packet = getattr(node.target, "overloadpacket", None)
+        if packet in MXU_OPS and node.target._overloadname == "default":
+            node.target = MXU_OPS[packet].default
+        elif packet in UNMAPPED_MXU_OPS and _is_fp32_mxu(node):
+            raise NotCompilable(f"{node.target} at fp32 has no MXU-precision op in compiled graphs")
+    host.recompile()
+    return host
+
+
+def _host_example(t: Any) -> Any:
+    if isinstance(t, torch.Tensor) and t.device.type == "tpu":
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    return t
+
+
+def compile_host(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    """Inductor's CPU compile of ``host_graph(gm)``, through the compile cache:
+    a callable on CPU tensors."""
+    host = host_graph(gm)
+    examples = [_host_example(t) for t in example_inputs]
+    key = graph_key(host, examples)
+    return compile_cache().get(
+        key, lambda: torch._inductor.standalone_compile(host, examples, dynamic_shapes="from_example_inputs")
+    )
+
+
+def _tpu_device(example_inputs: Sequence[Any]) -> int:
+    for t in example_inputs:
+        if isinstance(t, torch.Tensor) and t.device.type == "tpu":
+            return t.device.index or 0
+    return torch.tpu.current_device()
+
+
+def _output_devices(gm: torch.fx.GraphModule) -> list[bool]:
+    """For each tensor output of the graph, whether it is a tpu tensor."""
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    flat = torch.utils._pytree.tree_leaves(output.args[0])
+    vals = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in flat]
+    return [isinstance(v, torch.Tensor) and v.device.type == "tpu" for v in vals]
+
+
+class HostRunner:
+    """Runs a CPU-compiled graph on tpu tensors (see the module docstring)."""
+
+    def __init__(self, compiled: Callable[..., Any], device: int, tpu_outputs: Sequence[bool]) -> None:
+        self.compiled = compiled
+        self.device = device
+        self.tpu_outputs = list(tpu_outputs)
+
+    def __call__(self, *args: Any) -> Any:
+        tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        views = torch.ops.torch_tpu._host_views([args[i] for i in tensors])
+        host_args = list(args)
+        for i, v in zip(tensors, views):
+            host_args[i] = v
+        previous = torch.ops.torch_tpu._redirect_host_allocations(self.device)
+        try:
+            outputs = self.compiled(*host_args)
+        finally:
+            torch.ops.torch_tpu._redirect_host_allocations(previous)
+        return self._adopt(outputs)
+
+    def _adopt(self, outputs: Any) -> Any:
+        flat, spec = torch.utils._pytree.tree_flatten(outputs)
+        slots = [
+            i for i, (o, tpu) in enumerate(zip(flat, self.tpu_outputs)) if tpu and isinstance(o, torch.Tensor)
+        ]
+        adopted = torch.ops.torch_tpu._adopt_host_results([flat[i] for i in slots], self.device)
+        for i, t in zip(slots, adopted):
+            flat[i] = t
+        for i, o in enumerate(flat):
+            if isinstance(o, torch.Tensor) and i not in slots and o.device.type == "cpu":
+                flat[i] = o.clone()  # a cpu output: out of the tpu memory it was allocated in
+        return torch.utils._pytree.tree_unflatten(flat, spec)
+
+
+@dataclass
+class Timing:
+    """Per-variant call times while a graph's runner is still choosing."""
+
+    compiled: list[float]
+    replayed: list[float]
+
+
+class ChoosingRunner:
+    """Runs a graph compiled or op by op, whichever measures faster.
+
+    The first calls alternate between the two (after one warm-up call of each)
+    and time them; then the faster one runs from there on. Both compute the
+    same functional graph, so which ran is invisible to the caller.
+    """
+
+    TRIALS = 3
+
+    def __init__(self, compiled: Callable[..., Any], replay: Callable[..., Any], name: str = "graph") -> None:
+        self.compiled = compiled
+        self.replay = replay
+        self.name = name
+        self.timing = Timing([], [])
+        self.chosen: Callable[..., Any] | None = None
+        self._calls = 0
+
+    def __call__(self, *args: Any) -> Any:
+        if self.chosen is not None:
+            return self.chosen(*args)
+        use_compiled = self._calls % 2 == 0
+        self._calls += 1
+        run = self.compiled if use_compiled else self.replay
+        torch.tpu.synchronize()
+        start = time.perf_counter()
+        out = run(*args)
+        torch.tpu.synchronize()
+        elapsed = time.perf_counter() - start
+        times = self.timing.compiled if use_compiled else self.timing.replayed
+        times.append(elapsed)
+        if min(len(self.timing.compiled), len(self.timing.replayed)) > self.TRIALS:
+            self._choose()
+        return out
+
+    def _choose(self) -> None:
+        compiled = min(self.timing.compiled[1:])  # the first call of each warms up
+        replayed = min(self.timing.replayed[1:])
+        self.chosen = self.compiled if compiled <= replayed else self.replay
+        logger.info(
+            "%s: compiled %.3f ms, op by op %.3f ms: runs %s", self.name, compiled * 1e3, replayed * 1e3,
+            "compiled" if self.chosen is self.compiled else "op by op",
+        )
+
+    @property
+    def runs_compiled(self) -> bool | None:
+        """True/False once chosen; None while still measuring."""
+        return None if self.chosen is None else self.chosen is self.compiled
+
+
+def compile_graph(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, choose: bool = True
+) -> Callable[..., Any]:
+    """A callable running the ATen graph ``gm`` on tpu tensors: Inductor-compiled
+    for cpu and run on host views, or - when the graph cannot be compiled with
+    tpu semantics or (``choose``) runs slower compiled - op by op on tpu."""
+    try:
+        compiled = compile_host(gm, example_inputs)
+    except NotCompilable as reason:
+        logger.info("graph runs op by op: %s", reason)
+        return gm
+    runner = HostRunner(compiled, _tpu_device(example_inputs), _output_devices(gm))
+    return ChoosingRunner(runner, gm) if choose else runner
