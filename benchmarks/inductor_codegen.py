@@ -1,18 +1,14 @@
 """Inductor's native codegen for the tpu device (scalar C++) against CPU Inductor.
 
-``python -m benchmarks.inductor_codegen``: compiles a matmul-free,
-pointwise/reduction-heavy function (``gelu(layer_norm(x * w + b)) * sigmoid(x)``,
-4 times) with the default Inductor backend three ways and prints ms/call:
-plain CPU eager, ``torch.compile`` on CPU tensors (vectorized CPU codegen,
-which is what torch_tpu runs on zero-copy host views of tpu tensors), and
-``torch.compile`` on tpu tensors with the tpu device registered with Inductor
-(CppScheduling, which on torch 2.13 only works for a non-"cpu" device with
-``cpp.simdlen=0``, i.e. scalar kernels). The gap between the last two is why
-torch_tpu compiles graphs for cpu instead of generating code for its own device.
-
-``--tpu-vectorized`` adds a fourth column: tpu device codegen with
-``tpu_backend="cpp"`` (outside the config's declared Literal), which lets the
-vectorized CPU codegen run for the tpu device too.
+``python -m benchmarks.inductor_codegen`` times a matmul-free pointwise/reduction
+function (``gelu(layer_norm(x * w + b)) * sigmoid(x)``, 4 times) in CPU eager,
+compiled on CPU tensors (vectorized CPU codegen: what torch_tpu runs on zero-copy
+host views of tpu tensors) and compiled on tpu tensors with the tpu device
+registered with Inductor's CppScheduling, which torch 2.13 only accepts with
+``cpp.simdlen=0`` (scalar kernels). The gap between the last two is why torch_tpu
+compiles graphs for cpu instead of generating code for its own device;
+``--tpu-vectorized`` adds tpu codegen with ``tpu_backend="cpp"`` (outside the
+config's declared Literal), which gets vectorized kernels for tpu too.
 """
 
 from __future__ import annotations
@@ -20,14 +16,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
-import torch_tpu  # noqa: F401  (registers the tpu device)
 from benchmarks import report
 
 LAYERS = 4
@@ -203,45 +201,68 @@ def median_ms(fn: Callable[[], Any], sync: Callable[[], None], iters: int, warmu
     return statistics.median(times)
 
 
-def compile_variant(name: str, device: str, config: dict[str, Any] | None, inputs: tuple[torch.Tensor, ...],
-                    expected: torch.Tensor) -> dict[str, Any]:
+def own_copy(fn: Callable[..., Any], suffix: str) -> Callable[..., Any]:
+    """`fn` with its own code object. Dynamo keeps compiled graphs per code object
+    and guards only on the inputs, so variants compiled from one function for the
+    same device (scalar and vectorized tpu) would share, and run, one graph."""
+    name = f"{fn.__name__}_{suffix}"
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+def compile_variant(key: str, device: str, config: dict[str, Any] | None, inputs: tuple[torch.Tensor, ...],
+                    expected: torch.Tensor, code_path: Path | None = None) -> dict[str, Any]:
     """Compiles `workload` for `device` under `config`; checks it against eager and
     returns the timing closure plus facts about the generated code."""
-    args = tuple(t.to(device) for t in inputs)
-    patch = torch._inductor.config.patch(config) if config else nothing()
-    torch._dynamo.reset()
-    compiled = torch.compile(workload, fullgraph=True, dynamic=False)
-    with patch:
-        out, codes = torch._inductor.utils.run_and_get_code(compiled, *args)  # resets dynamo, compiles
-    torch.testing.assert_close(out.cpu(), expected, msg=lambda m: f"{name}: {m}")
-    code = "\n".join(codes)
-    sync = torch.tpu.synchronize if device == "tpu" else (lambda: None)
+    from torch._inductor.graph import GraphLowering
 
-    # The config only matters while compiling; calls run outside it (no recompiles:
-    # static shapes, same inputs, and the default config would fail for tpu anyway).
+    args = tuple(t.to(device) for t in inputs)
+    compiled = torch.compile(own_copy(workload, key), fullgraph=True, dynamic=False)
+    codes: list[str] = []
+    # As torch._inductor.utils.run_and_get_code, without its torch._dynamo.reset(),
+    # which would drop the graphs of the variants compiled before.
+    with (torch._inductor.config.patch(config) if config else nothing()), \
+            mock.patch.object(GraphLowering, "save_output_code", codes.append):
+        out = compiled(*args)
+    torch.testing.assert_close(out.cpu(), expected, msg=lambda m: f"{key}: {m}")
+    code = "\n".join(codes)
+    if code_path is not None:
+        code_path.parent.mkdir(parents=True, exist_ok=True)
+        code_path.write_text(code)
+    sync = torch.tpu.synchronize if device == "tpu" else (lambda: None)
+    # The config only matters while compiling; the timed calls run outside it and
+    # under the "fail_on_recompile" stance.
     return {"run": lambda: compiled(*args), "sync": sync, "vectorized": VEC_MARKER in code,
             "kernels": code.count("async_compile.cpp_pybinding("), "out_device": str(out.device)}
 
 
-def measure(shape: tuple[int, int], iters: int, warmup: int, rounds: int, tpu_vectorized: bool) -> dict[str, Any]:
+def measure(shape: tuple[int, int], iters: int, warmup: int, rounds: int, tpu_vectorized: bool,
+            code_dir: Path | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     rows, cols = shape
     inputs = (torch.randn(rows, cols), torch.randn(LAYERS, cols), torch.randn(LAYERS, cols))
     expected = workload(*inputs)
+
+    def code_path(key: str) -> Path | None:
+        return code_dir / f"{key}_{rows}x{cols}.py" if code_dir is not None else None
+
     # CPU codegen first, with the default config; the tpu variants patch theirs.
-    variants = {"eager": None,
-                "cpu_codegen": compile_variant("cpu codegen", "cpu", None, inputs, expected),
-                "tpu_scalar_codegen": compile_variant("tpu scalar codegen", "tpu", TPU_SCALAR_CONFIG, inputs, expected)}
+    torch._dynamo.reset()
+    specs: dict[str, tuple[str, dict[str, Any] | None]] = {
+        "cpu_codegen": ("cpu", None), "tpu_scalar_codegen": ("tpu", TPU_SCALAR_CONFIG)}
     if tpu_vectorized:
-        variants["tpu_vec_codegen"] = compile_variant("tpu vectorized codegen", "tpu", TPU_VECTOR_CONFIG,
-                                                      inputs, expected)
+        specs["tpu_vec_codegen"] = ("tpu", TPU_VECTOR_CONFIG)
+    variants: dict[str, dict[str, Any] | None] = {"eager": None}
+    for key, (device, config) in specs.items():
+        variants[key] = compile_variant(key, device, config, inputs, expected, code_path(key))
     times: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(rounds):  # interleaved, so drifts of the machine hit all variants alike
-        for key, v in variants.items():
-            if v is None:
-                times[key].append(median_ms(lambda: workload(*inputs), lambda: None, iters, warmup))
-            else:
-                times[key].append(median_ms(v["run"], v["sync"], iters, warmup))
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for _ in range(rounds):  # interleaved, so drifts of the machine hit all variants alike
+            for key, v in variants.items():
+                if v is None:
+                    times[key].append(median_ms(lambda: workload(*inputs), lambda: None, iters, warmup))
+                else:
+                    times[key].append(median_ms(v["run"], v["sync"], iters, warmup))
     ms = {k: min(t) for k, t in times.items()}
     row: dict[str, Any] = {
         "workload": WORKLOAD, "shape": f"{rows}x{cols}",
@@ -264,14 +285,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=50, help="timed calls per round (median)")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (min of medians)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (min of medians)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tpu-vectorized", action="store_true",
                         help='also time tpu codegen with tpu_backend="cpp" (vectorized)')
+    parser.add_argument("--code-dir", type=Path, default=None,
+                        help="write each variant's generated Inductor module here")
+    parser.add_argument("--out", type=Path, default=report.DEFAULT_DIR)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     register_tpu_with_inductor()
-    rows = [measure(s, args.iters, args.warmup, args.rounds, args.tpu_vectorized) for s in SHAPES]
+    rows = [measure(s, args.iters, args.warmup, args.rounds, args.tpu_vectorized, args.code_dir) for s in SHAPES]
 
     columns = ["workload", "shape", "eager_ms", "cpu_codegen_ms", "tpu_scalar_codegen_ms", "scalar/cpu_codegen"]
     if args.tpu_vectorized:
@@ -290,7 +314,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                   "tpu_scalar_config": TPU_SCALAR_CONFIG,
                   "tpu_vector_config": TPU_VECTOR_CONFIG if args.tpu_vectorized else None,
                   "rows": rows},
-                 f"{table}\n\n{notes}\n\n{report.markdown_table(rows, code_columns)}")
+                 f"{table}\n\n{notes}\n\n{report.markdown_table(rows, code_columns)}", args.out)
     return rows
 
 
