@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch_tpu
+import torch_tpu.defer
 from torchrec import EmbeddingBagConfig
 from tqdm import tqdm
 
@@ -54,6 +56,18 @@ DENSE_OPTIMIZERS = {
     "adagrad": torch.optim.Adagrad,
     "adam": torch.optim.Adam,
 }
+
+
+def make_dense_optimizer(cfg: "TrainConfig", parameters, device: torch.device) -> torch.optim.Optimizer:
+    """The dense optimizer. Under DeferAndFuse, with its step count on the
+    device where it can (Adam's capturable), so its updates are the same ops
+    every step and the graphs DeferAndFuse records recur (its bias corrections
+    would otherwise be new host scalars every step). Elsewhere the default,
+    whose numbers a CPU run reproduces exactly."""
+    cls = DENSE_OPTIMIZERS[cfg.dense_optimizer]
+    deferring = device.type == "tpu" and torch_tpu.get_eager_mode() is torch_tpu.EagerMode.DEFER_AND_FUSE
+    extra = {"capturable": True} if deferring and cls is torch.optim.Adam else {}
+    return cls(parameters, lr=cfg.dense_lr, **extra)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -288,7 +302,7 @@ class Trainer:
         else:
             preprocessor = self.model.sparse_arch.embedding_bag_collection.preprocessor()
         # After the wrapping: FSDP2's parameters are its sharded DTensors.
-        self.dense_opt = DENSE_OPTIMIZERS[cfg.dense_optimizer](dense_parameters(self._unwrapped), lr=cfg.dense_lr)
+        self.dense_opt = make_dense_optimizer(cfg, dense_parameters(self._unwrapped), self.device)
         self.ebc = self._unwrapped.sparse_arch.embedding_bag_collection
         # The loss: the rank's sum over the global batch size; with DDP summing, every rank
         # trains on the global batch's mean loss (models.distributed).
@@ -454,6 +468,12 @@ class Trainer:
                         "samples_per_s": samples / train_time if train_time > 0 else 0.0})
         if self.device.type == "tpu":
             summary["peak_tpu_memory_bytes"] = torch.tpu.max_memory_allocated(self.device)
+            if torch_tpu.get_eager_mode() is torch_tpu.EagerMode.DEFER_AND_FUSE and self.step:
+                s = torch_tpu.defer.stats()
+                summary["defer_and_fuse"] = {"graphs_per_step": s.graphs / self.step,
+                                             "ops_per_graph": s.ops_per_graph(),
+                                             "compiled_share": s.compiled_runs / max(s.graphs, 1),
+                                             "not_recorded": dict(s.not_recorded)}
         return summary
 
 
@@ -555,6 +575,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{summary['steps']} steps, {summary['samples_per_s']:,.0f} samples/s ({summary['train_seconds']:.1f} s in training steps)")
     if "peak_tpu_memory_bytes" in summary:
         print(f"peak tpu memory {summary['peak_tpu_memory_bytes'] / 2**20:.1f} MiB")
+    if "defer_and_fuse" in summary:
+        d = summary["defer_and_fuse"]
+        print(f"DeferAndFuse: {d['graphs_per_step']:.1f} graphs per step, {d['ops_per_graph']:.0f} ops per graph, "
+              f"{d['compiled_share']:.0%} of graph runs compiled; ops that fell back (not recorded): {d['not_recorded'] or 'none'}")
     if summary["interrupted"]:
         print(f"interrupted at step {summary['steps']}; resume with --resume")
     return 0

@@ -44,8 +44,6 @@ def test_bad_settings_are_clear_errors():
         mode_from_environment({"TPU_LAUNCH_BLOCKING": "1", "TORCH_TPU_DEFER_AND_FUSE": "1"})
     with pytest.raises(ValueError, match=r"eager mode 'fast': expected one of \['strict', 'debug', 'defer_and_fuse'\]"):
         torch_tpu.set_eager_mode("fast")
-    with pytest.raises(NotImplementedError, match="DeferAndFuse eager mode is not available yet"):
-        torch_tpu.set_eager_mode("defer_and_fuse")
     with pytest.raises(ValueError, match="nan check 'loud'"):
         torch_tpu.set_nan_check("loud")
     assert torch_tpu.get_eager_mode() is EagerMode.STRICT

@@ -42,7 +42,10 @@ def set_device(device: _device_t) -> None:
 
 
 def synchronize(device: _device_t = None) -> None:
-    """Waits for all work queued on every stream of the device."""
+    """Runs DeferAndFuse's pending graph, then waits for all work queued on every stream of the device."""
+    from torch_tpu import defer
+
+    defer.materialize("torch.tpu.synchronize")
     torch.accelerator.synchronize(_index(device))
 
 

@@ -6,8 +6,7 @@
   indexing ops bounds-checked and floating outputs checked for NaN/Inf
   (torch_tpu.debug). Errors name the op, the tensor, the offending value and
   the line of user code that issued it.
-* DeferAndFuse: ops recorded and run as fused graphs. Not built yet: asking for
-  it raises NotImplementedError rather than running Strict under its name.
+* DeferAndFuse: ops recorded and run as fused graphs (torch_tpu.defer).
 
 Chosen by ``TORCH_TPU_LAUNCH_BLOCKING=1`` (also the upstream spelling
 ``TPU_LAUNCH_BLOCKING=1``) -> Debug, ``TORCH_TPU_DEFER_AND_FUSE=1`` ->
@@ -73,15 +72,16 @@ def get_eager_mode() -> EagerMode:
     """The current eager mode (the environment's until set)."""
     global _mode
     mode = _mode  # read without the lock: it is on every stream submission's path
+    first_read = False
     if mode is None:
         with _lock:
             if _mode is None:
                 _mode = mode_from_environment()
-                if _mode is EagerMode.DEFER_AND_FUSE:
-                    _mode = None
-                    _refuse_defer_and_fuse()
+                first_read = True
             mode = _mode
-    _enter_checks_on_this_thread(mode)
+    # DeferAndFuse records on the thread that chose it (and the backward
+    # threads that inherit its modes), not on stream workers that ask.
+    _enter_checks_on_this_thread(mode, record=first_read)
     return mode
 
 
@@ -89,8 +89,6 @@ def set_eager_mode(mode: EagerMode | str) -> None:
     """Switches the eager mode: ``EagerMode`` or its value (``"strict"``, ``"debug"``, ...)."""
     global _mode
     mode = _as_mode(mode)
-    if mode is EagerMode.DEFER_AND_FUSE:
-        _refuse_defer_and_fuse()
     if mode is EagerMode.DEBUG:
         import torch
 
@@ -116,8 +114,14 @@ def is_synchronous() -> bool:
     return get_eager_mode() is EagerMode.DEBUG
 
 
-def _enter_checks_on_this_thread(mode: EagerMode) -> None:
-    """Debug's dispatch mode, entered on this thread while the mode is Debug (left otherwise)."""
+def _enter_checks_on_this_thread(mode: EagerMode, record: bool = True) -> None:
+    """The mode's dispatch mode - Debug's checks or DeferAndFuse's recording -
+    entered on this thread (and the other left)."""
+    if mode is not EagerMode.DEFER_AND_FUSE and getattr(_local, "deferring", False):
+        from torch_tpu import defer
+
+        defer.leave_on_this_thread()
+        _local.deferring = False
     active = getattr(_local, "checks", None)
     if mode is EagerMode.DEBUG and active is None:
         from torch_tpu.debug import DebugChecks
@@ -133,8 +137,8 @@ def _enter_checks_on_this_thread(mode: EagerMode) -> None:
                                f"active ({type(_get_current_dispatch_mode()).__name__}); exit that mode first")
         _local.checks = None
         active.__exit__(None, None, None)
+    if mode is EagerMode.DEFER_AND_FUSE and record and not getattr(_local, "deferring", False):
+        from torch_tpu import defer
 
-
-def _refuse_defer_and_fuse() -> None:
-    raise NotImplementedError("the DeferAndFuse eager mode is not available yet (torch_tpu runs Strict or Debug); "
-                              f"unset {DEFER_VARIABLE} or choose 'strict' or 'debug'")
+        defer.enter_on_this_thread()
+        _local.deferring = True

@@ -194,12 +194,15 @@ class ChoosingRunner:
         self.name = name
         self.timing = Timing([], [])
         self.chosen: Callable[..., Any] | None = None
+        self.last_ran_compiled = False
         self._calls = 0
 
     def __call__(self, *args: Any) -> Any:
         if self.chosen is not None:
+            self.last_ran_compiled = self.chosen is self.compiled
             return self.chosen(*args)
         use_compiled = self._calls % 2 == 0
+        self.last_ran_compiled = use_compiled
         self._calls += 1
         run = self.compiled if use_compiled else self.replay
         torch.tpu.synchronize()
@@ -229,15 +232,22 @@ class ChoosingRunner:
 
 
 def compile_graph(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, choose: bool = True
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    choose: bool = True,
+    tpu_outputs: Sequence[bool] | None = None,
 ) -> Callable[..., Any]:
     """A callable running the ATen graph ``gm`` on tpu tensors: Inductor-compiled
     for cpu and run on host views, or - when the graph cannot be compiled with
-    tpu semantics or (``choose``) runs slower compiled - op by op on tpu."""
+    tpu semantics or (``choose``) runs slower compiled - op by op on tpu.
+    ``tpu_outputs`` says which outputs are tpu tensors (default: from the
+    graph's node values)."""
     try:
         compiled = compile_host(gm, example_inputs)
     except NotCompilable as reason:
         logger.info("graph runs op by op: %s", reason)
         return gm
-    runner = HostRunner(compiled, _tpu_device(example_inputs), _output_devices(gm))
+    outputs = _output_devices(gm) if tpu_outputs is None else list(tpu_outputs)
+    runner = HostRunner(compiled, _tpu_device(example_inputs), outputs)
     return ChoosingRunner(runner, gm) if choose else runner

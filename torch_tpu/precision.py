@@ -36,7 +36,15 @@ def set_float32_matmul_precision(precision: str) -> None:
             UserWarning,
             stacklevel=2,
         )
-    torch.ops.torch_tpu._set_matmul_precision(_MODES[precision])
+    _set(_MODES[precision])
+
+
+def _set(mode: int) -> None:
+    # Ops DeferAndFuse has recorded run at the precision they were issued at.
+    from torch_tpu import defer
+
+    defer.materialize("matmul precision change")
+    torch.ops.torch_tpu._set_matmul_precision(mode)
 
 
 def get_float32_matmul_precision() -> str:
@@ -51,4 +59,4 @@ def precision(precision: str) -> Iterator[None]:
     try:
         yield
     finally:
-        torch.ops.torch_tpu._set_matmul_precision(_MODES[previous])
+        _set(_MODES[previous])

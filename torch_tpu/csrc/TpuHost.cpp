@@ -86,6 +86,10 @@ at::Tensor HostScope::view(const at::Tensor& t) {
     return t;
   }
   TORCH_CHECK(t.layout() == c10::kStrided, "tpu supports strided tensors only, got ", t.layout());
+  TORCH_CHECK(t.numel() == 0 || t.storage().nbytes() > 0 || t.storage().data() != nullptr,
+              "a tpu tensor of sizes ", t.sizes(), " has no memory yet: it is pending under DeferAndFuse, "
+              "and this thread does not run DeferAndFuse; call torch_tpu.defer.materialize() before handing "
+              "tensors to it");
   for (const auto& v : views_) {
     if (v.tpu.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) {
       return v.cpu;

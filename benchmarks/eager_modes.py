@@ -1,0 +1,231 @@
+"""Eager modes and compiled graphs on tpu against plain CPU, one process.
+
+``python -m benchmarks.eager_modes`` times a training step (forward, backward,
+AdamW) of three workloads, all at exact fp32 (tpu "highest", CPU "highest"):
+
+(a) the DLRM dense step at batch 2048: bottom MLP 13-512-256-64, dot
+    interaction with 26 embedded features (given, requiring grad), top MLP
+    512-256-1, BCE loss;
+(b) a small-op-bound step: 4 x [Linear(256), LayerNorm, GELU] at batch 256;
+(c) a transformer block: d=512, 8 heads, seq 128, batch 16.
+
+Variants: plain CPU eager (the anchor), CPU ``torch.compile`` (Inductor),
+tpu Strict, tpu Debug, tpu ``torch.compile(backend="tpu")`` (Inductor on tpu,
+the compiler DeferAndFuse shares), tpu DeferAndFuse (after its graphs have
+compiled and chosen compiled or op by op). The compiled variants compile the
+model and the optimizer step.
+Reported: median ms/step, ratio to CPU eager and to Strict, peak tpu memory
+over a step. Then cold vs warm start of the tpu-compiled step in fresh
+processes (empty caches, then the compile cache filled by the first run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from benchmarks import report
+from torch_tpu.inductor import ChoosingRunner
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    build: Callable[[], tuple[nn.Module, tuple[torch.Tensor, ...]]]
+
+
+class DenseStep(nn.Module):
+    """DLRM without its embedding lookup: the dense arch, dot interaction and over arch."""
+
+    def __init__(self, features: int = 26, dim: int = 64) -> None:
+        super().__init__()
+        from models.dlrm import DotInteraction
+
+        self.bottom = nn.Sequential(nn.Linear(13, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(),
+                                    nn.Linear(256, dim), nn.ReLU())
+        self.interaction = DotInteraction(features)
+        pairs = (features + 1) * features // 2
+        self.top = nn.Sequential(nn.Linear(dim + pairs, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(),
+                                 nn.Linear(256, 1))
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.top(self.interaction(self.bottom(dense), sparse)).squeeze(1)
+        return nn.functional.binary_cross_entropy_with_logits(logits, labels)
+
+
+class Regression(nn.Module):
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.body(x), y)
+
+
+def dlrm_dense() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    batch = 2048
+    return DenseStep(), (torch.randn(batch, 13), torch.randn(batch, 26, 64).requires_grad_(),
+                         torch.randint(0, 2, (batch,)).float())
+
+
+def small_ops() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    layers: list[nn.Module] = []
+    for _ in range(4):
+        layers += [nn.Linear(256, 256), nn.LayerNorm(256), nn.GELU()]
+    return Regression(nn.Sequential(*layers)), (torch.randn(256, 256), torch.randn(256, 256))
+
+
+def transformer() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    block = nn.TransformerEncoderLayer(d_model=512, nhead=8, dim_feedforward=2048, dropout=0.0, batch_first=True)
+    return Regression(block), (torch.randn(16, 128, 512), torch.randn(16, 128, 512))
+
+
+WORKLOADS = {w.name: w for w in [Workload("dlrm_dense_2048", dlrm_dense), Workload("small_ops_256", small_ops),
+                                 Workload("transformer_block", transformer)]}
+VARIANTS = ["cpu eager", "cpu compiled", "tpu strict", "tpu debug", "tpu defer_and_fuse", "tpu compiled"]
+MODES = {"tpu debug": "debug", "tpu defer_and_fuse": "defer_and_fuse"}
+
+
+def make_step(workload: Workload, variant: str) -> tuple[Callable[[], None], str]:
+    torch.manual_seed(0)
+    model, inputs = workload.build()
+    device = "tpu" if variant.startswith("tpu") else "cpu"
+    model = model.to(device)
+    inputs = tuple(t.detach().to(device).requires_grad_(t.requires_grad) for t in inputs)
+    # On tpu the optimizer keeps its step count on the device (capturable), so
+    # its updates are the same ops every step and DeferAndFuse's graphs recur;
+    # CPU AdamW cannot be capturable.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=device == "tpu")
+    forward, update = model, optimizer.step
+    if variant.endswith("compiled"):
+        backend = "tpu" if device == "tpu" else "inductor"
+        forward = torch.compile(model, backend=backend)
+        update = torch.compile(optimizer.step, backend=backend)
+
+    def step() -> None:
+        loss = forward(*inputs)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        update()
+
+    return step, device
+
+
+def time_steps(step: Callable[[], None], device: str, steps: int, warmup: int) -> tuple[float, list[float]]:
+    for _ in range(warmup):
+        step()
+    sync = torch.tpu.synchronize if device == "tpu" else (lambda: None)
+    sync()
+    if device == "tpu":
+        torch.tpu.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times), times
+
+
+def measure(workload: Workload, variant: str, steps: int, warmup: int) -> dict:
+    import torch_tpu
+    from torch_tpu import defer
+
+    step, device = make_step(workload, variant)
+    with torch_tpu.eager_mode(MODES.get(variant, "strict")):
+        if variant == "tpu defer_and_fuse":
+            for _ in range(warmup):  # first occurrences run op by op while their graphs compile
+                step()
+                torch.tpu.synchronize()
+            defer.engine().graphs.wait_for_compiles()
+            warmup = 2 * (ChoosingRunner.TRIALS + 1)  # each graph measures compiled vs op by op
+            defer.reset_stats()
+        base = torch.tpu.memory_allocated() if device == "tpu" else 0
+        ms, times = time_steps(step, device, steps, warmup)
+        peak = (torch.tpu.max_memory_allocated() - base) / 2**20 if device == "tpu" else None
+    row = {"workload": workload.name, "variant": variant, "ms_per_step": ms,
+           "spread_ms": max(times) - min(times), "peak_tpu_mib_over_resident": peak}
+    if variant == "tpu defer_and_fuse":
+        s = defer.stats()
+        row.update(graphs_per_step=s.graphs / (steps + warmup), ops_per_graph=s.ops_per_graph(),
+                   compiled_share=s.compiled_runs / max(s.graphs, 1), not_recorded=dict(s.not_recorded))
+    return row
+
+
+COLD_WARM = r"""
+import json, time, torch
+from benchmarks.eager_modes import WORKLOADS, make_step
+torch.tpu.set_float32_matmul_precision("highest")
+step, _ = make_step(WORKLOADS["small_ops_256"], "tpu compiled")
+start = time.perf_counter()
+step(); torch.tpu.synchronize()
+print(json.dumps({"first_step_s": time.perf_counter() - start, "cache": torch.tpu.compile_cache_stats()}))
+"""
+
+
+def cold_and_warm_start() -> list[dict]:
+    """First-step time of the compiled small-op step in fresh processes: caches empty, then warm."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, TORCH_TPU_LOCAL_CACHE_DIR=os.path.join(tmp, "tpu"),
+                   TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"), PYTHONWARNINGS="ignore")
+        env.pop("TORCH_TPU_CACHE_DIR", None)
+        for start in ("cold", "warm"):
+            out = subprocess.run([sys.executable, "-c", COLD_WARM], env=env, capture_output=True, text=True,
+                                 timeout=600, check=True).stdout
+            result = json.loads(out.strip().splitlines()[-1])
+            cache = result["cache"]
+            rows.append({"start": start, "first_step_s": result["first_step_s"],
+                         "graphs_compiled": cache["local"]["misses"], "local_hits": cache["local"]["hits"]})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--skip-cold-start", action="store_true")
+    args = p.parse_args(argv)
+    warnings.filterwarnings("ignore", message="tpu matmul precision")
+    torch.set_float32_matmul_precision("highest")
+    torch.tpu.set_float32_matmul_precision("highest")
+
+    rows = []
+    for name in args.workloads.split(","):
+        results = {}
+        for variant in args.variants.split(","):
+            results[variant] = measure(WORKLOADS[name], variant, args.steps, args.warmup)
+            print(json.dumps(results[variant]), flush=True)
+        for variant, r in results.items():
+            if "cpu eager" in results:
+                r["cpu_eager_over_this"] = results["cpu eager"]["ms_per_step"] / r["ms_per_step"]
+            if "tpu strict" in results:
+                r["speedup_vs_strict"] = results["tpu strict"]["ms_per_step"] / r["ms_per_step"]
+            rows.append(r)
+    columns = ["workload", "variant", "ms_per_step", "spread_ms", "cpu_eager_over_this", "speedup_vs_strict",
+               "peak_tpu_mib_over_resident", "graphs_per_step", "ops_per_graph", "compiled_share"]
+    table = report.markdown_table(rows, columns)
+    starts = [] if args.skip_cold_start else cold_and_warm_start()
+    if starts:
+        table += "\n\nCold vs warm start (compiled small-op step, fresh processes):\n\n"
+        table += report.markdown_table(starts, ["start", "first_step_s", "graphs_compiled", "local_hits"])
+    print(table)
+    report.write("eager_modes", {"steps": args.steps, "rows": rows, "starts": starts}, table)
+
+
+if __name__ == "__main__":
+    main()

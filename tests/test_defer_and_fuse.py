@@ -1,0 +1,545 @@
+"""DeferAndFuse (torch_tpu.defer, torch_tpu.deferred_graph) against Strict:
+the same code gives Strict's results - training steps of the model zoo,
+matmul precision, random ops, in-place updates, autograd - while the ops are
+recorded and run later as graphs; every sync point materializes the pending
+graph; intermediates nobody holds are never allocated; repeated steps hit
+the graph cache."""
+
+import contextlib
+import copy
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import torch_tpu
+from torch_tpu import defer, deferred_graph
+from torch_tpu.eager import EagerMode
+from tests.test_inductor import zoo
+
+is_deferred = torch.ops.torch_tpu._is_deferred
+COMPILE = "TORCH_TPU_DEFER_COMPILE"
+
+
+@pytest.fixture(autouse=True)
+def strict_after(monkeypatch):
+    """Each test starts with fresh stats and an empty graph cache (the cache
+    reads the compile setting per graph and keeps it), and ends in Strict.
+    Graphs run op by op - Strict's kernels, for exact comparisons - unless the
+    test asks for compiles."""
+    monkeypatch.setenv(COMPILE, "off")
+    monkeypatch.setattr(defer.engine(), "graphs", deferred_graph.GraphCache())
+    defer.reset_stats()
+    yield
+    torch_tpu.set_eager_mode("strict")
+    cache = defer.engine().graphs
+    cache.wait_for_compiles()  # no compile left running into the next test
+    if cache._pool is not None:
+        cache._pool.shutdown()
+    defer.reset_stats()
+
+
+def deferring():
+    return torch_tpu.eager_mode("defer_and_fuse")
+
+
+def test_the_variable_selects_defer_and_fuse_in_a_fresh_process():
+    code = ("import torch, torch_tpu\n"
+            "from torch_tpu import defer\n"
+            "print(torch_tpu.get_eager_mode().value)\n"
+            "y = torch.arange(4.0, device='tpu') * 2 + 1\n"
+            "print(torch.ops.torch_tpu._is_deferred(y), defer.stats().ops_recorded > 0)\n"
+            "print(y.cpu().tolist(), torch.ops.torch_tpu._is_deferred(y))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TORCH_TPU_DEFER_AND_FUSE": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["defer_and_fuse", "True True", "[1.0, 3.0, 5.0, 7.0] False"], out
+
+
+# ---- 1. the model zoo ----
+
+def train_steps(model: nn.Module, x: torch.Tensor, mode: str, steps: int, after_step=None) -> list[torch.Tensor]:
+    """Forward, .square().mean().backward() and an SGD momentum step, `steps` times under `mode`:
+    each step's output, then the last gradients and the final state_dict."""
+    model = copy.deepcopy(model).to("tpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    outs = []
+    with torch_tpu.eager_mode(mode):
+        for _ in range(steps):
+            opt.zero_grad()
+            out = model(x.to("tpu"))
+            out.square().mean().backward()
+            opt.step()
+            outs.append(out.detach().cpu())
+            if after_step is not None:
+                after_step()
+        grads = [p.grad for p in model.parameters()]
+        state = list(model.state_dict().values())
+    return outs + [g.cpu() for g in grads] + [t.detach().cpu() for t in state]
+
+
+@pytest.mark.parametrize("name, compile_mode, steps", [
+    ("mlp", "async", 3),  # the default: op by op while compiles run in the background
+    ("cnn with batchnorm", "off", 3),
+    ("transformer block", "off", 3),
+    ("mlp", "sync", 10),  # compiled on the calling thread; the runner then measures both variants
+])
+def test_model_zoo_training_equals_strict(name, compile_mode, steps, monkeypatch):
+    monkeypatch.setenv(COMPILE, compile_mode)
+    model, x = zoo()[name]
+    strict = train_steps(model, x, "strict", steps)
+    defer.reset_stats()
+    deferred = train_steps(model, x, "defer_and_fuse", steps)
+    stats = defer.stats()
+    assert stats.graphs > 0 and stats.ops_recorded > stats.graphs, stats
+    assert stats.compiled_runs + stats.replayed_runs == stats.graphs, stats
+    if compile_mode == "sync":
+        assert stats.compiled_runs > 0 and stats.replayed_runs > 0, stats
+    if compile_mode == "off":
+        assert stats.compiled_runs == 0, stats
+    assert len(strict) == len(deferred)
+    # Op by op runs Strict's kernels in Strict's order: the same bits. Compiled graphs sum in other orders:
+    # fp32 rounding apart, no more.
+    tol = dict(rtol=0, atol=0) if compile_mode == "off" else dict(rtol=1e-4, atol=1e-5)
+    for a, b in zip(strict, deferred):
+        torch.testing.assert_close(b, a, **tol)
+
+
+# ---- 2. sync points ----
+
+def pending_y(x: torch.Tensor) -> torch.Tensor:
+    """Inside DeferAndFuse: y = x.sin() * 2 + 1, recorded and not run."""
+    graphs = defer.stats().graphs
+    y = x.sin() * 2 + 1
+    assert is_deferred(y)
+    assert defer.stats().graphs == graphs
+    return y
+
+
+def strict_y(x: torch.Tensor) -> torch.Tensor:
+    assert torch_tpu.get_eager_mode() is EagerMode.STRICT
+    y = x.sin() * 2 + 1
+    assert not is_deferred(y)
+    return y
+
+
+def _save(y):
+    buffer = io.BytesIO()
+    torch.save(y, buffer)
+    return buffer
+
+
+def _load(buffer):
+    buffer.seek(0)
+    return torch.load(buffer).cpu()
+
+
+def _print(y):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print(y)
+    return out.getvalue()
+
+
+def _data_ptr(y):
+    assert y.data_ptr() != 0
+    assert not is_deferred(y)
+
+
+def _synchronize(y):
+    torch.tpu.synchronize()
+    assert not is_deferred(y)
+
+
+def _submit(y):
+    return torch.tpu.submit(torch.tpu.Stream(), lambda: y.cpu()).result(timeout=60)
+
+
+SYNC_POINTS = {
+    # name: (the read, the reason it materializes or None (not checked), then the value to compare)
+    "cpu": (lambda y: y.cpu(), "aten._to_copy.default", None),
+    "item": (lambda y: y.sum().item(), "aten._local_scalar_dense.default", None),
+    "str": (str, None, None),
+    "print": (_print, None, None),
+    "nonzero": (lambda y: torch.nonzero(y > 1), "aten.nonzero.default", lambda t: t.cpu()),
+    "save and load": (_save, "torch.save", _load),
+    "data_ptr": (_data_ptr, "Tensor.data_ptr", None),
+    "synchronize": (_synchronize, "torch.tpu.synchronize", None),
+    "submit": (_submit, "work submitted to a tpu stream", None),
+}
+
+
+@pytest.mark.parametrize("point", list(SYNC_POINTS))
+def test_sync_points_materialize_and_give_stricts_value(point):
+    read, reason, then = SYNC_POINTS[point]
+    then = then or (lambda value: value)
+    torch.manual_seed(0)
+    x = torch.randn(5, 4, device="tpu")
+    y_strict = strict_y(x)
+    expected = then(read(y_strict))
+    with deferring():
+        y = pending_y(x)
+        got = read(y)
+        assert not is_deferred(y)
+        stats = defer.stats()
+        if point == "save and load":
+            # Then torch.save's storage.cpu() records an empty tpu tensor and set_s it: a graph of its own.
+            assert stats.materialized_by[reason] == 1, stats
+        else:
+            assert stats.graphs == 1, stats
+            if reason is not None:
+                assert stats.materialized_by == {reason: 1}, stats
+        got = then(got)
+        torch.testing.assert_close(y.cpu(), y_strict.cpu(), rtol=0, atol=0)
+    if isinstance(expected, torch.Tensor):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    else:
+        assert got == expected
+
+
+def test_the_size_limit_materializes(monkeypatch):
+    monkeypatch.setattr(defer, "MAX_OPS", 4)
+    torch.manual_seed(0)
+    x = torch.randn(6, device="tpu")
+
+    def chain(t):
+        for i in range(10):
+            t = t * 1.5 if i % 2 else t - 0.25
+        return t
+
+    expected = chain(x).cpu()
+    with deferring():
+        y = chain(x)
+        stats = defer.stats()
+        assert stats.ops_recorded == 10
+        assert stats.materialized_by["size limit"] == 2 and stats.graphs == 2, stats
+        assert is_deferred(y)  # the last 2 ops are pending
+        torch.testing.assert_close(y.cpu(), expected, rtol=0, atol=0)
+    assert defer.stats().graphs == 3
+
+
+def test_repeating_steps_without_sync_points_are_cut_at_their_boundaries(monkeypatch):
+    """A loop with no materialization point at all: the repeat detector cuts the
+    recording where the step repeats, so every later graph is the same step and
+    hits the cache, and the result equals Strict's."""
+    monkeypatch.setattr(defer._Repeats, "MIN_PERIOD", 8)
+    monkeypatch.setattr(defer._Repeats, "WINDOW", 4)
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, device="tpu")
+
+    def steps(x, n):
+        for _ in range(n):  # 12 ops a step
+            h = torch.tanh(x @ w) * 0.5
+            x = (h + x).sin() - h.cos() * 0.1
+            x = x / (x.abs().amax() + 1.0)
+        return x
+
+    x0 = torch.randn(4, 8, device="tpu")
+    expected = steps(x0, 12).cpu()
+    with deferring():
+        y = steps(x0, 12)
+        stats = defer.stats()
+        assert stats.materialized_by["repeat boundary"] >= 10, stats
+        keys = len(defer.engine().graphs.entries)
+        y = steps(y, 3)
+        assert len(defer.engine().graphs.entries) == keys  # the same step graph again
+        got = y.cpu()
+    torch.testing.assert_close(got, steps(expected.to("tpu"), 3).cpu(), rtol=0, atol=0)
+    assert keys <= 3, keys  # the first (rotated) graph, the period, and at most one more
+
+
+# ---- 3. dead intermediates ----
+
+MIB = 1 << 20
+# With TORCH_TPU_DEFER_COMPILE=sync a graph is compiled by the time it has run
+# a few times; its runner then alternates compiled and op by op while it measures.
+SYNC_RUNS = 4
+
+
+def deferred_runs(fn, runs: int) -> list[tuple]:
+    """fn() under DeferAndFuse `runs` times, each in its own block: [(its result, whether it ran compiled)]."""
+    results = []
+    for _ in range(runs):
+        before = defer.stats().compiled_runs
+        with deferring():
+            out = fn()
+        results.append((out, defer.stats().compiled_runs > before))
+    return results
+
+
+def check_runs(results, expected, compile_mode: str, tol: float) -> None:
+    """Op-by-op runs give exactly `expected`; compiled ones (sync mode: at least one) within `tol`."""
+    if compile_mode == "sync":
+        assert any(compiled for _, compiled in results), defer.stats()
+    else:
+        assert not any(compiled for _, compiled in results), defer.stats()
+    for got, compiled in results:
+        for g, e in zip(got, expected):
+            t = tol if compiled else 0
+            torch.testing.assert_close(g, e, rtol=t, atol=t)
+
+
+def peak_of_chain(x: torch.Tensor) -> tuple:
+    """The peak tpu memory above what was allocated before a chain of 20
+    elementwise ops of which only the last result is kept; and the result."""
+    torch.tpu.synchronize()
+    baseline = torch.tpu.memory_allocated()
+    torch.tpu.reset_peak_memory_stats()
+    y = x
+    for _ in range(10):
+        y = y * 0.5 + 0.25  # Strict holds y, y * 0.5 and the sum at once
+    torch.tpu.synchronize()
+    peak = torch.tpu.max_memory_allocated() - baseline
+    return peak, y.cpu()
+
+
+@pytest.mark.parametrize("compile_mode", ["off", "sync"])
+def test_dead_intermediates_are_never_allocated(compile_mode, monkeypatch):
+    monkeypatch.setenv(COMPILE, compile_mode)
+    torch.manual_seed(0)
+    x = torch.randn(MIB, device="tpu")  # 4 MiB
+    strict_peak, strict = peak_of_chain(x)
+    assert strict_peak >= 2 * 4 * MIB
+    runs = deferred_runs(lambda: peak_of_chain(x), SYNC_RUNS if compile_mode == "sync" else 1)
+    stats = defer.stats()
+    assert stats.ops_recorded == 20 * len(runs) and stats.graphs == len(runs), stats
+    # Op by op frees each value after its last use; compiled, the chain is one fused kernel.
+    peaks = [(peak, compiled) for (peak, _), compiled in runs]
+    assert all(peak < strict_peak for peak, _ in peaks), (peaks, strict_peak)
+    assert all(peak <= 4 * MIB + 4096 for peak, compiled in peaks if compiled), (peaks, strict_peak)
+    check_runs([((y,), compiled) for (_, y), compiled in runs], (strict,), compile_mode, 1e-6)
+
+
+# ---- 4. matmul precision ----
+
+@pytest.mark.parametrize("compile_mode", ["off", "sync"])
+def test_matmul_precision_equals_stricts(compile_mode, monkeypatch):
+    monkeypatch.setenv(COMPILE, compile_mode)
+    torch.manual_seed(0)
+    a, b = torch.randn(32, 128, device="tpu"), torch.randn(128, 16, device="tpu")
+    exact = torch.relu(a.cpu() @ b.cpu())
+
+    def f():
+        y = torch.relu(a @ b)
+        if torch_tpu.get_eager_mode() is EagerMode.DEFER_AND_FUSE:
+            assert is_deferred(y)
+        return (y.cpu(),)
+
+    with torch.tpu.precision("medium"):
+        strict = f()
+        runs = deferred_runs(f, SYNC_RUNS if compile_mode == "sync" else 1)
+    stats = defer.stats()
+    assert stats.graphs == len(runs) and stats.ops_recorded == 2 * len(runs), stats
+    check_runs(runs, strict, compile_mode, 1e-6)
+    for (got,), _ in runs:
+        assert (got - exact).abs().max() > 1e-3  # bf16 operands, visibly
+
+
+@pytest.mark.parametrize("compile_mode", ["off", "sync"])
+def test_matmul_precision_is_the_one_the_op_was_issued_at(compile_mode, monkeypatch):
+    """Strict runs a matmul at the precision set when it is issued; a deferred
+    one read after the precision block must not run at the new precision."""
+    monkeypatch.setenv(COMPILE, compile_mode)
+    torch.manual_seed(0)
+    a, b = torch.randn(32, 128, device="tpu"), torch.randn(128, 16, device="tpu")
+    with torch.tpu.precision("medium"):
+        strict = (torch.relu(a @ b).cpu(),)
+
+    def f():
+        with torch.tpu.precision("medium"):
+            y = torch.relu(a @ b)
+        return (y.cpu(),)  # materialized at "highest"
+
+    runs = deferred_runs(f, SYNC_RUNS if compile_mode == "sync" else 1)
+    check_runs(runs, strict, compile_mode, 1e-6)
+
+
+# ---- 5. cache hits ----
+
+def test_repeated_steps_hit_the_graph_cache(monkeypatch):
+    monkeypatch.setenv(COMPILE, "sync")
+    model, x = zoo()["mlp"]
+    entries = defer.engine().graphs.entries
+    counts = []
+    strict = train_steps(model, x, "strict", 12)
+    deferred = train_steps(model, x, "defer_and_fuse", 12, after_step=lambda: counts.append(len(entries)))
+    stats = defer.stats()
+    # The first step differs (SGD creates its momentum buffers); from the second on, every graph is a hit.
+    assert counts[0] > 0 and counts[1] == counts[-1], counts
+    assert stats.graphs >= 12, stats
+    assert stats.compiled_runs + stats.replayed_runs == stats.graphs, stats
+    assert stats.compiled_runs > 0, stats
+    for a, b in zip(strict, deferred):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+# ---- 6. in-place ----
+
+def test_in_place_ops_on_a_pending_tensor():
+    torch.manual_seed(0)
+    a = torch.randn(3, 4, device="tpu")
+
+    def f(a):
+        x = a.sin()
+        x.add_(1)
+        x.mul_(2)
+        return x
+
+    expected = f(a).cpu()
+    with deferring():
+        x = f(a)
+        assert is_deferred(x)
+        assert not defer.stats().not_recorded, defer.stats()  # the in-place ops were recorded
+        got = x.cpu()
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("read_view_first", [False, True])
+def test_in_place_updates_of_a_real_tensor_reach_it_and_its_views(read_view_first):
+    torch.manual_seed(0)
+    p0, q0 = torch.randn(3, 4), torch.randn(3, 4)
+    expected = p0 * 0.5 + q0
+    p, q = p0.to("tpu"), q0.to("tpu")
+    v = p[0]  # a view created before the update
+    with deferring():
+        out = p.mul_(0.5).add_(q)
+        assert out is p
+        assert not is_deferred(p)  # real memory, with a pending write
+        if read_view_first:
+            torch.testing.assert_close(v.cpu(), expected[0], rtol=0, atol=0)  # reading materializes
+        defer.materialize()
+        assert defer.stats().graphs == 1, defer.stats()
+        torch.testing.assert_close(p.cpu(), expected, rtol=0, atol=0)
+        torch.testing.assert_close(v.cpu(), expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(p.cpu(), expected, rtol=0, atol=0)
+    torch.testing.assert_close(v.cpu(), expected[0], rtol=0, atol=0)
+
+
+def test_a_view_created_in_the_mode_sees_the_update():
+    torch.manual_seed(0)
+    p0, q0 = torch.randn(3, 4), torch.randn(3, 4)
+    expected = p0 * 0.5 + q0
+    p, q = p0.to("tpu"), q0.to("tpu")
+    with deferring():
+        v = p[1]
+        p.mul_(0.5).add_(q)
+        defer.materialize()
+        torch.testing.assert_close(v.cpu(), expected[1], rtol=0, atol=0)
+        w = p[2]
+        p.add_(1)
+        s = w.sum()
+        torch.testing.assert_close(s.cpu(), (expected[2] + 1).sum(), rtol=0, atol=0)
+    torch.testing.assert_close(p.cpu(), expected + 1, rtol=0, atol=0)
+
+
+def test_in_place_through_a_view_of_a_pending_tensor():
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, device="tpu")
+
+    def f(x):
+        h = x * 2
+        h[0].fill_(7)
+        return h, h.sum()
+
+    h_strict, s_strict = f(x)
+    with deferring():
+        h, s = f(x)
+        got_h, got_s = h.cpu(), s.cpu()
+    torch.testing.assert_close(got_h, h_strict.cpu(), rtol=0, atol=0)
+    torch.testing.assert_close(got_s, s_strict.cpu(), rtol=0, atol=0)
+
+
+# ---- 7. random ops ----
+
+def random_sequence(mode: str) -> list[torch.Tensor]:
+    x = torch.ones(4, 8, device="tpu")
+    with torch_tpu.eager_mode(mode):
+        torch.tpu.manual_seed(0)
+        h = x * 3
+        a = torch.rand(4, 8, device="tpu")
+        d = nn.functional.dropout(h, 0.5, training=True)
+        b = torch.randn(3, device="tpu") + a.sum()
+        e = nn.functional.dropout(h + b.sum(), 0.3, training=True)
+        out = [a.cpu(), d.cpu(), b.cpu(), e.cpu()]
+    return out
+
+
+def test_random_ops_draw_stricts_sequence():
+    strict = random_sequence("strict")
+    deferred = random_sequence("defer_and_fuse")
+    assert (strict[1] == 0).any() and (strict[1] != 0).any()  # dropout dropped some, kept some
+    assert defer.stats().sync_points["aten.native_dropout.default"], defer.stats()  # the random ops ran at once
+    for s, d in zip(strict, deferred):
+        torch.testing.assert_close(d, s, rtol=0, atol=0)
+
+
+# ---- 8. leaving the mode ----
+
+def test_leaving_the_mode_materializes():
+    torch.manual_seed(0)
+    x = torch.randn(4, 5, device="tpu")
+
+    def f(x):
+        a = x + 1
+        b = a.relu()
+        c = b[1:]  # a view of a pending tensor
+        d = torch.cat([a, b]).exp()
+        return a, b, c, d
+
+    expected = [t.cpu() for t in f(x)]
+    with deferring():
+        got = f(x)
+        assert all(is_deferred(t) for t in got)
+        assert defer.stats().graphs == 0
+    assert torch_tpu.get_eager_mode() is EagerMode.STRICT
+    assert not any(is_deferred(t) for t in got)
+    assert defer.stats().materialized_by == {"leaving DeferAndFuse": 1}, defer.stats()
+    for t, want in zip(got, expected):
+        torch.testing.assert_close(t.cpu(), want, rtol=0, atol=0)
+    # Strict again: ops run at once.
+    assert not is_deferred(x * 2)
+    assert defer.stats().ops_recorded == 5
+
+
+# ---- 9. autograd ----
+
+@pytest.mark.parametrize("compile_mode", ["off", "sync"])
+def test_autograd_through_deferred_ops_equals_strict(compile_mode, monkeypatch):
+    monkeypatch.setenv(COMPILE, compile_mode)
+    torch.manual_seed(0)
+    x0, w0 = torch.randn(6, 5), torch.randn(5, 3)
+
+    def f():
+        x = x0.to("tpu")
+        w = w0.to("tpu").requires_grad_()
+        h = (x @ w).tanh() * 3
+        loss = (h.square() + h.sin()).mean()
+        if torch_tpu.get_eager_mode() is EagerMode.DEFER_AND_FUSE:
+            assert is_deferred(loss)
+        loss.backward()
+        assert w.grad is not None
+        return loss.detach().cpu(), w.grad.cpu()
+
+    strict = f()
+    runs = deferred_runs(f, SYNC_RUNS if compile_mode == "sync" else 1)
+    assert defer.stats().ops_recorded > 5 * len(runs), defer.stats()
+    check_runs(runs, strict, compile_mode, 1e-5)
+
+
+def test_a_dlrm_step_with_sparsecore_embeddings_equals_strict():
+    """The SparseCore engine's kernels are materialization points; the dense
+    arch, interaction and loss are recorded around them."""
+    from tests.test_eager_modes import dlrm_step
+
+    strict = dlrm_step("strict")
+    defer.reset_stats()
+    deferred = dlrm_step("defer_and_fuse")
+    stats = defer.stats()
+    assert stats.ops_recorded > stats.graphs > 0, stats
+    assert not stats.not_recorded, stats  # no op fell back
+    for a, b in zip(strict, deferred):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)

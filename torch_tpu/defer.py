@@ -1,0 +1,738 @@
+"""DeferAndFuse: ops on tpu tensors are recorded, not run, and run later as
+one graph - compiled by Inductor on tpu when that measures faster.
+
+A recorded op's outputs are tpu tensors with their sizes, strides and dtype
+and no memory (``torch.ops.torch_tpu._deferred_empty``); views of them share
+their (empty) storage. The pending graph runs - is *materialized* - when
+something needs real memory:
+
+* an op that cannot be recorded reads or writes a pending tensor: copies to
+  cpu, ``.item()``, printing, data-dependent shapes (nonzero, masks), random
+  ops (they draw from the tpu generator, as in Strict), in-place ops on views;
+* any op outside aten/prims (collectives, the SparseCore kernels), work
+  submitted to a tpu stream, ``torch.tpu.synchronize()``;
+* the materialization hooks: ``torch.save``, ``Tensor.data_ptr``,
+  ``Tensor.untyped_storage``, ``Tensor.numpy`` - and whatever an extension
+  adds with ``register_materialization_hook``;
+* ``MAX_OPS`` recorded ops, and the boundaries of repeating op sequences
+  (training steps, layer stacks: see ``_Repeats``), so graphs recur and hit
+  the cache.
+
+Only the pending tensors someone still holds (Python, autograd's saved
+tensors, a view) become graph outputs: intermediates nobody holds are never
+allocated. In-place ops are recorded as their functional forms: a pending
+tensor is re-bound to the new value, a real tensor (a parameter, an optimizer
+state) gets the value written into it when the graph runs.
+
+Graphs are cached by their op sequence, input shapes/dtypes/strides and scalar
+arguments. A graph's first occurrences run op by op (exactly Strict's kernels)
+while Inductor compiles it on a background thread; then it runs compiled or op
+by op, whichever measured faster (torch_tpu.inductor.ChoosingRunner).
+
+The recording is a dispatch mode, entered by ``set_eager_mode`` on the
+setting thread; autograd's backward threads inherit it. The pending graph is
+one per process, under a lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torch_tpu import deferred_graph
+from torch_tpu.deferred_graph import Arg, walk
+
+logger = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+_ops = torch.ops.torch_tpu
+MAX_OPS = 4096
+RECORDED_NAMESPACES = frozenset(["aten", "prims"])
+# Ops that look functional but must see real memory, or whose result
+# depends on more than their arguments.
+# Allocation only: run at once (nothing to fuse), like views of real memory.
+ALLOCATIONS = frozenset([aten.empty.memory_format, aten.empty_strided.default])
+NEVER_RECORDED = ALLOCATIONS | frozenset([aten._local_scalar_dense.default, aten.lift_fresh.default, aten.set_.source_Storage,
+                            aten.set_.source_Storage_storage_offset, aten.set_.source_Tensor, aten.set_.default,
+                            aten.resize_.default, aten.record_stream.default])
+
+_Ref = tuple  # ("i", k): graph input k; ("v", n, j): output j of node n
+# The C methods: torch.Tensor's may be materialization hooks.
+_untyped_storage = torch._C.TensorBase.untyped_storage
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    return _untyped_storage(t)._cdata
+
+
+@dataclass
+class DeferStats:
+    """What DeferAndFuse did since the last reset."""
+
+    graphs: int = 0  # graphs materialized
+    ops_recorded: int = 0
+    compiled_runs: int = 0
+    replayed_runs: int = 0
+    # Ops on tpu memory that ran eagerly: the materialization points by design
+    # (transfers, .item(), random and data-dependent ops, non-aten ops), and
+    # the rest - ops recording could not take (its fallbacks).
+    sync_points: Counter = field(default_factory=Counter)
+    not_recorded: Counter = field(default_factory=Counter)
+    materialized_by: Counter = field(default_factory=Counter)  # why graphs ran
+
+    def ops_per_graph(self) -> float:
+        return self.ops_recorded / self.graphs if self.graphs else 0.0
+
+
+@dataclass
+class _Bound:
+    tensor: torch.Tensor
+    ref: _Ref
+    kind: str  # "base": a pending tensor owning its storage; "view": on a base's storage; "write": a real tensor
+    meta: tuple  # the tensor's _tensor_meta
+
+
+def _tensor_meta(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device.type)
+
+
+def _meta_tensor(meta: tuple) -> torch.Tensor:
+    shape, stride, offset, dtype, _ = meta
+    size = offset + sum((s - 1) * st for s, st in zip(shape, stride)) + 1 if all(shape) else 0
+    return torch.empty(max(size, 0), dtype=dtype, device="meta").as_strided(shape, stride, offset)
+
+
+def _copy_unversioned(dst: torch.Tensor, value: torch.Tensor) -> None:
+    """dst's memory gets value, through an alias with a version counter of its
+    own: the op that made dst bumped dst's version when it was recorded (and
+    autograd may hold dst for backward)."""
+    alias = _ops._deferred_alias(dst, list(dst.shape), list(dst.stride()), dst.storage_offset())
+    alias.copy_(value)
+
+
+def _covers_storage(t: torch.Tensor) -> bool:
+    """Whether `t` is its whole storage, densely from offset 0 (a parameter, say):
+    then a view's storage offsets index its value."""
+    return (t.storage_offset() == 0 and t.is_contiguous()
+            and t.numel() * t.element_size() == _untyped_storage(t).nbytes())
+
+
+def _functional_of(func: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """``aten.add.Tensor`` for ``aten.add_.Tensor``; None without one."""
+    name = func.overloadpacket.__name__
+    if not name.endswith("_") or name.startswith("_") and not name.startswith("_foreach"):
+        return None
+    packet = getattr(aten, name[:-1], None)
+    if packet is None or func._overloadname not in packet.overloads():
+        return None
+    return getattr(packet, func._overloadname)
+
+
+def _mutated_args(func: torch._ops.OpOverload) -> list[int]:
+    return [i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+
+
+@dataclass(frozen=True)
+class _OpInfo:
+    """What recording needs to know of an op, worked out once per op."""
+
+    recordable: bool
+    mutated: list[int]
+    functional: torch._ops.OpOverload | None
+    is_view: bool
+    returns: str  # "one": a tensor; "list": Tensor[]; "tuple": several; "none"
+
+
+_op_infos: dict[Any, _OpInfo] = {}
+
+
+def _op_info(func) -> _OpInfo:
+    info = _op_infos.get(func)
+    if info is None:
+        recordable = (func not in NEVER_RECORDED and func.namespace in RECORDED_NAMESPACES
+                      and torch.Tag.nondeterministic_seeded not in func.tags
+                      and torch.Tag.dynamic_output_shape not in func.tags)
+        mutated = _mutated_args(func)
+        returns = func._schema.returns
+        kind = ("none" if not returns else "tuple" if len(returns) > 1 else
+                "list" if isinstance(returns[0].type, torch.ListType) else "one")
+        info = _op_infos[func] = _OpInfo(recordable, mutated, _functional_of(func) if mutated else None,
+                                         func.is_view, kind)
+    return info
+
+
+class _NotRecordable(Exception):
+    """This op runs eagerly (materializing first if it touches pending tensors).
+    ``by_design``: None (views of real memory, allocations: not counted),
+    True (a materialization point) or False (a fallback)."""
+
+    def __init__(self, by_design: bool | None = False) -> None:
+        super().__init__()
+        self.by_design = by_design
+
+
+class _Graph:
+    """The pending graph: recorded nodes, their inputs, the tensors bound to values."""
+
+    def __init__(self) -> None:
+        self.nodes: list[tuple[Any, list, dict]] = []  # (func, args, kwargs) with refs for tensors
+        self.sigs: list[tuple] = []  # per node: (op, its arguments with tensors as (ref, meta)): the graph's key
+        self.funcs: list[Any] = []  # per node: its op (what repeats are detected on)
+        self.metas: list[list[tuple]] = []  # per node, its outputs' metas
+        self.inputs: list[torch.Tensor] = []
+        self.input_index: dict[int, int] = {}  # TensorImpl address -> input number
+        self.input_metas: list[tuple] = []
+        self.input_storages: set[int] = set()
+        self.bound: dict[int, _Bound] = {}  # TensorImpl address -> binding
+        self.pending_storages: dict[int, int] = {}  # StorageImpl address -> TensorImpl address of its base
+        self.write_storages: dict[int, int] = {}  # StorageImpl address -> TensorImpl address written
+        self.views_of: dict[int, list[_Bound]] = {}  # pending StorageImpl address -> its bound views
+
+    def empty(self) -> bool:
+        return not self.nodes and not self.bound
+
+
+class DeferAndFuse(TorchDispatchMode):
+    """The recording dispatch mode (see the module docstring)."""
+
+    def __init__(self, engine: _Engine) -> None:
+        super().__init__()
+        self.engine = engine
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # no _disable_dynamo wrapper: it costs microseconds on every op
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.engine.dispatch(func, args, kwargs or {})
+
+
+class _Engine:
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.graph = _Graph()
+        self.stats = DeferStats()
+        self.meta_cache: dict[tuple, Any] = {}
+        self.graphs = deferred_graph.GraphCache()
+        self.repeats = _Repeats()
+        self._holder_base = self._calibrate()
+
+    @staticmethod
+    def _calibrate() -> tuple[int, int, int]:
+        """Python, TensorImpl and storage holders of a pending tensor only the graph holds."""
+        t = _ops._deferred_empty([1], [1], torch.float32, torch.device("tpu"))
+        _storage_id(t)  # as _bind does: the storage's Python object then holds the storage too
+        entry = _Bound(t, ("v", 0, 0), "base", ())
+        del t
+        impl, storage = _ops._holders(entry.tensor)
+        return sys.getrefcount(entry.tensor), impl, storage
+
+    # ---- dispatch ----
+
+    def dispatch(self, func, args, kwargs):
+        with self.lock:
+            flat = _flat(args, kwargs)
+            if not any(isinstance(a, torch.Tensor) and a.device.type == "tpu" for a in flat) and not any(
+                    isinstance(a, torch.device) and a.type == "tpu" for a in flat):
+                return func(*args, **kwargs)  # no tpu memory involved
+            try:
+                return self._record(func, args, kwargs, flat)
+            except _NotRecordable as why:
+                if why.by_design is not None:
+                    counter = self.stats.sync_points if why.by_design else self.stats.not_recorded
+                    counter[str(func)] += 1
+                return self._eager(func, args, kwargs, flat)
+
+    def _eager(self, func, args, kwargs, flat):
+        if not self.graph.empty() and self._must_materialize_for(func, flat):
+            self.materialize(str(func))
+        return func(*args, **kwargs)
+
+    def _must_materialize_for(self, func, flat) -> bool:
+        if func.namespace not in RECORDED_NAMESPACES:
+            return True  # collectives, SparseCore kernels: sync points
+        g = self.graph
+        for a in flat:
+            if not isinstance(a, torch.Tensor):
+                continue
+            storage = _storage_id(a)
+            if a._cdata in g.bound or storage in g.pending_storages or storage in g.write_storages:
+                return True
+        if _op_info(func).mutated:
+            for a in flat:  # conservative: any mutable op over a tensor the graph reads
+                if isinstance(a, torch.Tensor) and _storage_id(a) in g.input_storages:
+                    return True
+        return False
+
+    # ---- recording ----
+
+    def _record(self, func, args, kwargs, flat):
+        info = _op_info(func)
+        if not info.recordable:
+            raise _NotRecordable(None if func in ALLOCATIONS else True)
+        if any(isinstance(a, torch.device) and a.type != "tpu" for a in flat):
+            raise _NotRecordable(True)  # a transfer off the device
+        if info.mutated:
+            return self._record_in_place(func, args, kwargs, info)
+        if info.is_view:
+            self_arg = args[0] if args else None
+            if not isinstance(self_arg, torch.Tensor):
+                raise _NotRecordable
+            if not self._is_pending(self_arg):
+                if _storage_id(self_arg) in self.graph.write_storages:
+                    return self._record_view_of_written(func, args, kwargs)
+                raise _NotRecordable(None)  # a view of real memory: metadata only, run at once
+        refs_args, refs_kwargs, sig = self._refs(func, args, kwargs)
+        out_metas = self._out_metas(func, args, kwargs, sig)
+        node = self._add_node(func, refs_args, refs_kwargs, out_metas, sig)
+        outputs = []
+        for j, meta in enumerate(out_metas):
+            if meta is None:  # an optional output not asked for (convolution_backward's grad_bias, say)
+                outputs.append(None)
+                continue
+            shape, stride, offset, dtype, _ = meta
+            if info.is_view:
+                t = _ops._deferred_alias(args[0], list(shape), list(stride), offset)
+                self._bind(t, ("v", node, j), "view", meta)
+            else:
+                t = _ops._deferred_empty(list(shape), list(stride), dtype, self._device_of(flat))
+                self._bind(t, ("v", node, j), "base", meta)
+            outputs.append(t)
+        self._after_record()
+        return outputs[0] if info.returns == "one" else outputs if info.returns == "list" else tuple(outputs)
+
+    def _record_in_place(self, func, args, kwargs, info: _OpInfo):
+        """An in-place op as its functional form: the targets are re-bound to the
+        results. Writes to pending memory are functionalized (the base gets the
+        written region scattered in, its views are re-derived); a real tensor
+        gets its new value written when the graph runs."""
+        functional = info.functional
+        if functional is None or info.mutated != [0]:
+            raise _NotRecordable
+        targets = list(args[0]) if isinstance(args[0], (list, tuple)) else [args[0]]
+        g = self.graph
+        for t in targets:
+            if not isinstance(t, torch.Tensor) or t.device.type != "tpu":
+                raise _NotRecordable
+            storage = _storage_id(t)
+            if storage not in g.pending_storages and g.write_storages.get(storage, t._cdata) != t._cdata:
+                raise _NotRecordable  # a second tensor writing the same real memory
+            if storage in g.views_of and storage not in g.pending_storages and not _covers_storage(t):
+                raise _NotRecordable
+        refs_args, refs_kwargs, sig = self._refs(functional, args, kwargs)
+        out_metas = self._out_metas(functional, args, kwargs, sig)
+        if len(out_metas) != len(targets):
+            raise _NotRecordable
+        node = self._add_node(functional, refs_args, refs_kwargs, out_metas, sig)
+        for j, t in enumerate(targets):
+            storage = _storage_id(t)
+            if storage in g.pending_storages:
+                self._write_pending(t, ("v", node, j))
+            else:
+                old = g.bound.get(t._cdata)
+                self._bind(t, ("v", node, j), "write", old.meta if old is not None else _tensor_meta(t))
+                self._rederive_views(storage, ("v", node, j))
+        self._after_record()
+        return None if info.returns == "none" else args[0]
+
+    def _record_view_of_written(self, func, args, kwargs):
+        """A view of a real tensor whose new value is pending: a real view (it
+        aliases that memory, which gets the value when the graph runs) that
+        recorded ops read as the view of the pending value."""
+        g = self.graph
+        storage = _storage_id(args[0])
+        written = g.bound[g.write_storages[storage]]
+        if not _covers_storage(written.tensor):
+            raise _NotRecordable
+        view = func(*args, **kwargs)  # metadata only
+        if not isinstance(view, torch.Tensor):
+            raise _NotRecordable
+        meta = _tensor_meta(view)
+        self._bind(view, ("v", self._add_as_strided(written.ref, meta), 0), "written view", meta)
+        return view
+
+    def _rederive_views(self, storage: int, value: _Ref) -> None:
+        """The views on `storage` re-bound to their regions of its new `value`."""
+        for view in self.graph.views_of.get(storage, []):
+            view.ref = ("v", self._add_as_strided(value, view.meta), 0)
+
+    def _write_pending(self, t: torch.Tensor, value: _Ref) -> None:
+        """`t` (on a pending storage) now holds `value`: its base and every view re-bound."""
+        g = self.graph
+        storage = _storage_id(t)
+        base = g.bound[g.pending_storages[storage]]
+        if t._cdata == base.tensor._cdata:
+            base.ref = value
+        else:
+            shape, stride, offset = _tensor_meta(t)[:3]
+            op = aten.as_strided_scatter.default
+            node = self._add_node(op, [Arg(base.ref), Arg(value), list(shape), list(stride), offset], {},
+                                  [base.meta], (op, base.ref, value, shape, stride, offset))
+            base.ref = ("v", node, 0)
+        self._rederive_views(storage, base.ref)
+
+    def _is_pending(self, t: torch.Tensor) -> bool:
+        g = self.graph
+        bound = g.bound.get(t._cdata)
+        return (bound is not None and bound.kind in ("base", "view")) or _storage_id(t) in g.pending_storages
+
+    @staticmethod
+    def _device_of(flat) -> torch.device:
+        for a in flat:
+            if isinstance(a, torch.Tensor) and a.device.type == "tpu":
+                return a.device
+            if isinstance(a, torch.device) and a.type == "tpu":
+                return a if a.index is not None else torch.device("tpu", torch.tpu.current_device())
+        return torch.device("tpu", torch.tpu.current_device())
+
+    def _refs(self, func, args, kwargs):
+        """args/kwargs with each tensor replaced by its Arg, and the node's
+        signature: the op, its arguments with tensors as (ref, meta)."""
+        sig: list = [func]
+
+        def leaf(x):
+            if isinstance(x, torch.Tensor):
+                r, meta = self._ref(x)
+                sig.append((r, meta))
+                return Arg(r)
+            sig.append(x)
+            return x
+
+        def conv(x):  # aten nests at most a list inside the arguments
+            t = type(x)
+            if t is list or t is tuple:
+                sig.append(len(x))
+                return t([leaf(v) for v in x])
+            return leaf(x)
+
+        refs_args = [conv(a) for a in args]
+        sig.append(tuple(kwargs))
+        refs_kwargs = {k: conv(v) for k, v in kwargs.items()}
+        return refs_args, refs_kwargs, tuple(sig)
+
+    def _ref(self, t: torch.Tensor) -> tuple[_Ref, tuple]:
+        """The graph value `t` holds, and t's meta."""
+        g = self.graph
+        bound = g.bound.get(t._cdata)
+        if bound is not None:
+            return bound.ref, bound.meta
+        k = g.input_index.get(t._cdata)
+        if k is not None:
+            return ("i", k), g.input_metas[k]
+        storage = _storage_id(t)
+        meta = _tensor_meta(t)
+        if storage in g.pending_storages:
+            # Another TensorImpl on a pending storage (autograd's unpacked saved
+            # tensor, say): a strided view of its base's value.
+            base = g.bound[g.pending_storages[storage]]
+            if meta == base.meta:
+                return base.ref, meta
+            return ("v", self._add_as_strided(base.ref, meta), 0), meta
+        if storage in g.write_storages:
+            raise _NotRecordable  # reads memory with a pending write through another tensor
+        if t.device.type != "tpu" and t.dim() != 0:
+            raise _NotRecordable(True)  # cpu operands other than scalars: a transfer to the device
+        k = len(g.inputs)
+        # A cpu scalar may change before the graph runs (a step count): keep its value now.
+        g.inputs.append(t if t.device.type == "tpu" else t.clone())
+        g.input_index[t._cdata] = k
+        g.input_metas.append(meta)
+        if t.device.type == "tpu":
+            g.input_storages.add(storage)
+        return ("i", k), meta
+
+    def _add_as_strided(self, source: _Ref, meta: tuple) -> int:
+        """A node taking `meta`'s geometry of `source`'s value (storage offsets into it)."""
+        shape, stride, offset = meta[:3]
+        args = [Arg(source), list(shape), list(stride), offset]
+        return self._add_node(aten.as_strided.default, args, {}, [meta], (aten.as_strided.default, source, meta))
+
+    def _out_metas(self, func, args, kwargs, sig: tuple) -> list[tuple]:
+        key = sig
+        try:
+            cached = self.meta_cache.get(key)
+        except TypeError:  # an unhashable argument
+            key, cached = None, None
+        if cached is None:
+            cached = self._compute_metas(func, args, kwargs)
+            if key is not None:
+                self.meta_cache[key] = cached
+        if cached is False:
+            raise _NotRecordable
+        return cached
+
+    @staticmethod
+    def _compute_metas(func, args, kwargs):
+        def to_meta(a):
+            if isinstance(a, torch.Tensor):
+                return _meta_tensor(_tensor_meta(a))
+            if isinstance(a, torch.device) and a.type == "tpu":
+                return torch.device("meta")
+            return a
+
+        try:
+            out = func(*walk(list(args), to_meta), **walk(dict(kwargs), to_meta))
+        except Exception:  # no meta kernel, data-dependent shape, ...: run it for real
+            return False
+        leaves = out if isinstance(out, (list, tuple)) else [out]
+        if not leaves or not all(isinstance(o, torch.Tensor) or o is None for o in leaves):
+            return False
+        return [None if o is None else (tuple(o.shape), o.stride(), o.storage_offset(), o.dtype, "tpu")
+                for o in leaves]
+
+    def _add_node(self, func, refs_args, refs_kwargs, out_metas, sig: tuple) -> int:
+        g = self.graph
+        n = len(g.nodes)
+        g.nodes.append((func, refs_args, refs_kwargs))
+        g.metas.append(out_metas)
+        g.sigs.append(sig)
+        g.funcs.append(func)
+        self.stats.ops_recorded += 1
+        return n
+
+    def _bind(self, t: torch.Tensor, ref: _Ref, kind: str, meta: tuple) -> None:
+        g = self.graph
+        g.bound[t._cdata] = _Bound(t, ref, kind, meta)
+        storage = _storage_id(t)
+        if kind == "base":
+            g.pending_storages[storage] = t._cdata
+        elif kind in ("view", "written view"):
+            g.views_of.setdefault(storage, []).append(g.bound[t._cdata])
+        elif kind == "write":
+            g.write_storages[storage] = t._cdata
+
+    def _after_record(self) -> None:
+        g = self.graph
+        if len(g.nodes) >= MAX_OPS:
+            self.materialize("size limit")
+        elif self.repeats.at_boundary(g.funcs):
+            self.materialize("repeat boundary")
+
+    # ---- materialization ----
+
+    def touches(self, t: torch.Tensor) -> bool:
+        """Whether `t`'s memory is pending or has a pending write."""
+        if t.device.type != "tpu":
+            return False
+        g = self.graph
+        storage = _storage_id(t)
+        return t._cdata in g.bound or storage in g.pending_storages or storage in g.write_storages
+
+    def _held(self, entry: _Bound) -> bool:
+        """Whether anyone but the graph holds this tensor (Python or C++)."""
+        py_base, impl_base, _ = self._holder_base
+        return sys.getrefcount(entry.tensor) > py_base or _ops._holders(entry.tensor)[0] > impl_base
+
+    def _alive(self, base: _Bound) -> bool:
+        """A pending base is needed if it, one of its views, or any other tensor on its storage is held."""
+        if self._held(base):
+            return True
+        views = self.graph.views_of.get(_storage_id(base.tensor), [])
+        if _ops._holders(base.tensor)[1] > self._holder_base[2] + len(views):
+            return True  # a TensorImpl the graph does not know shares the storage (a saved tensor)
+        return any(self._held(v) for v in views)
+
+    def materialize(self, reason: str = "materialize()") -> None:
+        """Runs the pending graph; every pending tensor still held gets its value."""
+        with self.lock:
+            g = self.graph
+            if g.empty():
+                return
+            self.graph = _Graph()
+            self.repeats.flushed(g.funcs)
+            targets = [b for b in g.bound.values() if b.kind == "write" or (b.kind == "base" and self._alive(b))]
+            if not targets:
+                return
+            outputs = [b.ref for b in targets]
+            self.stats.graphs += 1
+            self.stats.materialized_by[reason] += 1
+            with _no_dispatch_modes(), torch.no_grad():
+                values, compiled = self.graphs.run(g, outputs)
+                if compiled:
+                    self.stats.compiled_runs += 1
+                else:
+                    self.stats.replayed_runs += 1
+                for b, ref, value in zip(targets, outputs, values):
+                    if b.kind == "write" or _ops._fill_deferred(b.tensor, value):
+                        _copy_unversioned(b.tensor, value)
+                    del value
+                del values
+
+
+class _Repeats:
+    """Finds repeating op sequences and says where their boundaries fall.
+
+    When the first ``WINDOW`` ops of the pending graph recur at least
+    ``MIN_PERIOD`` ops later, the ops before the recurrence are a period (a
+    training step without a sync point, a stack of large layers): the graph
+    is materialized there, and from then on whenever a pending graph has
+    matched the period op for op to its end. A mismatch forgets the period.
+    Shorter periods (a stack of small layers) are not cut: graphs that small
+    fuse too little.
+    """
+
+    WINDOW = 16
+    MIN_PERIOD = 64
+
+    def __init__(self) -> None:
+        self.period: list[Any] | None = None
+        self._cutting = False  # the next flush is the cut at_boundary asked for
+
+    def at_boundary(self, sigs: list[Any]) -> bool:
+        n = len(sigs)
+        if self.period is not None:
+            p = self.period
+            if n > len(p) or sigs[n - 1] != p[n - 1]:
+                self.period = None
+                return False
+            self._cutting = n == len(p)
+            return self._cutting
+        w = self.WINDOW
+        if n >= self.MIN_PERIOD + w and sigs[n - w:] == sigs[:w]:
+            self.period = sigs[:n - w]
+            # Materialized now; the next graph starts w ops into the period.
+            self.period = self.period[w:] + self.period[:w]
+            self._cutting = True
+            return True
+        return False
+
+    def flushed(self, sigs: list[Any]) -> None:
+        """A graph ran: unless it is the cut asked for, keep the period only if it ended on a boundary."""
+        if self._cutting:
+            self._cutting = False
+        elif self.period is not None and len(sigs) not in (0, len(self.period)):
+            self.period = None
+
+
+def _flat(args, kwargs) -> list:
+    """The leaves of an op's arguments (aten nests at most a list inside them)."""
+    leaves: list = []
+    for x in (*args, *kwargs.values()):
+        t = type(x)
+        if t is list or t is tuple:
+            leaves.extend(x)
+        else:
+            leaves.append(x)
+    return leaves
+
+
+@contextlib.contextmanager
+def _no_dispatch_modes() -> Iterator[None]:
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
+
+
+# ---- the process-wide engine, the mode per thread, the hooks ----
+
+_engine: _Engine | None = None
+_engine_lock = threading.Lock()
+_local = threading.local()
+
+
+def engine() -> _Engine:
+    global _engine
+    with _engine_lock:
+        if _engine is None:
+            _engine = _Engine()
+        return _engine
+
+
+def materialize(reason: str = "materialize()") -> None:
+    """Runs the pending graph, if any (a no-op outside DeferAndFuse)."""
+    if _engine is not None:
+        _engine.materialize(reason)
+
+
+def stats() -> DeferStats:
+    return engine().stats
+
+
+def reset_stats() -> None:
+    engine().stats = DeferStats()
+
+
+_hooks: list[tuple[Any, str]] = []
+_originals: dict[tuple[int, str], Callable] = {}
+
+
+def register_materialization_hook(owner: Any, name: str) -> None:
+    """Makes ``owner.name`` (a function or method) materialize the pending graph
+    before it runs while DeferAndFuse is on: for code that reads tpu memory
+    without an aten op (raw pointers, serialization)."""
+    _hooks.append((owner, name))
+    if getattr(_local, "mode", None) is not None:
+        _install(owner, name)
+
+
+def _install(owner: Any, name: str) -> None:
+    key = (id(owner), name)
+    if key in _originals:
+        return
+    original = getattr(owner, name)
+    _originals[key] = original
+    where = f"{getattr(owner, '__name__', owner)}.{name}"
+
+    if owner is torch.Tensor:
+        def materialized(self, *args, **kwargs):
+            # Only for a tensor whose memory the pending graph has yet to write:
+            # other threads (a compile) call these too.
+            if _engine is not None and _engine.touches(self):
+                _engine.materialize(where)
+            return original(self, *args, **kwargs)
+    else:
+        def materialized(*args, **kwargs):
+            materialize(where)
+            return original(*args, **kwargs)
+
+    materialized.__wrapped__ = original
+    setattr(owner, name, materialized)
+
+
+def _uninstall_all() -> None:
+    for owner, name in _hooks:
+        original = _originals.pop((id(owner), name), None)
+        if original is not None:
+            setattr(owner, name, original)
+
+
+# Printing runs with dispatch modes off (torch._tensor_str), so it is a hook too.
+for _owner, _name in [(torch, "save"), (torch.Tensor, "data_ptr"), (torch.Tensor, "untyped_storage"),
+                      (torch.Tensor, "numpy"), (torch._tensor_str, "_str")]:
+    _hooks.append((_owner, _name))
+
+
+def enter_on_this_thread() -> None:
+    if getattr(_local, "mode", None) is None:
+        for owner, name in _hooks:
+            _install(owner, name)
+        _local.mode = DeferAndFuse(engine())
+        _local.mode.__enter__()
+
+
+def leave_on_this_thread() -> None:
+    mode = getattr(_local, "mode", None)
+    if mode is None:
+        return
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if _get_current_dispatch_mode() is not mode:
+        raise RuntimeError("cannot leave DeferAndFuse while a dispatch mode entered after it is active "
+                           f"({type(_get_current_dispatch_mode()).__name__}); exit that mode first")
+    materialize("leaving DeferAndFuse")
+    # Compiles still running in the background would overlap whatever runs
+    # next (a torch.compile of its own): done before leaving.
+    engine().graphs.wait_for_compiles()
+    _local.mode = None
+    mode.__exit__(None, None, None)
+    _uninstall_all()

@@ -1,0 +1,216 @@
+"""Running DeferAndFuse's pending graphs: op by op, or compiled.
+
+A graph is keyed by its nodes (ops, scalar arguments, which value feeds
+which), its inputs' shapes, strides and dtypes and the values it must
+return. Until it is compiled a graph replays its ops one by one - the kernels
+Strict runs, freeing each value after its last use. Its second run hands it to
+a background thread that compiles it (torch_tpu.inductor, through the compile
+cache); once compiled, its runs go through its ChoosingRunner: compiled or op
+by op, whichever measured faster.
+
+Scalar arguments are part of the key, so a graph whose scalars change every
+step (an optimizer's bias corrections computed on the host) never recurs:
+keep such values in tensors - ``capturable=True`` optimizers, a tensor lr -
+as on XLA.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import operator
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+logger = logging.getLogger(__name__)
+
+COMPILE_VARIABLE = "TORCH_TPU_DEFER_COMPILE"
+COMPILE_MODES = ("async", "sync", "off")
+MIN_COMPILED_OPS = 2  # a graph of one op gains nothing from compiling
+# Graphs are compiled when they recur (their second run): a graph that runs
+# once - a first step that creates optimizer state, a one-off - is not worth it.
+COMPILE_AT_RUN = 2
+
+
+class Arg:
+    """A tensor argument of a recorded op: the graph value it refers to."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, ref: tuple) -> None:
+        self.ref = ref  # ("i", k): graph input k; ("v", n, j): output j of node n
+
+
+def walk(x: Any, fn) -> Any:
+    """`x` with every leaf mapped by `fn` (lists and tuples rebuilt, dicts by value)."""
+    if isinstance(x, (list, tuple)) and not isinstance(x, torch.Size):
+        return type(x)([walk(v, fn) for v in x]) if type(x) in (list, tuple) else x
+    if isinstance(x, dict):
+        return {k: walk(v, fn) for k, v in x.items()}
+    return fn(x)
+
+
+def arg_refs(args: list, kwargs: dict) -> list[tuple]:
+    """The refs a node's arguments hold (see _resolve for the nesting)."""
+    refs: list[tuple] = []
+    for x in (*args, *kwargs.values()):
+        t = type(x)
+        if t is Arg:
+            refs.append(x.ref)
+        elif t is list or t is tuple:
+            refs.extend(v.ref for v in x if type(v) is Arg)
+    return refs
+
+
+def _map_refs(tree: Any, fn) -> Any:
+    return walk(tree, lambda x: fn(x.ref) if type(x) is Arg else x)
+
+
+def graph_key(graph: Any, outputs: list[tuple]) -> tuple:
+    # The nodes' signatures hold every input's meta where it is used.
+    return (tuple(graph.sigs), tuple(outputs))
+
+
+def _resolve(x: Any, value) -> Any:
+    """An argument with its Args replaced by values: aten arguments nest at most
+    a list (Tensor[], Tensor?[]) inside the argument list."""
+    t = type(x)
+    if t is Arg:
+        return value(x.ref)
+    if t is list or t is tuple:
+        return t([value(v.ref) if type(v) is Arg else v for v in x])
+    return x
+
+
+def replay(graph: Any, outputs: list[tuple]) -> list[torch.Tensor]:
+    """The graph's ops run one by one on tpu; values freed after their last use."""
+    node_refs = [arg_refs(args, kwargs) for _, args, kwargs in graph.nodes]
+    last_use: dict[tuple, int] = {}
+    for n, refs in enumerate(node_refs):
+        for r in refs:
+            last_use[r] = n
+    keep = set(outputs)
+    env: dict[tuple, torch.Tensor] = {}
+    inputs = graph.inputs
+
+    def value(r: tuple) -> torch.Tensor:
+        return inputs[r[1]] if r[0] == "i" else env[r]
+
+    for n, (func, args, kwargs) in enumerate(graph.nodes):
+        out = func(*[_resolve(a, value) for a in args], **{k: _resolve(v, value) for k, v in kwargs.items()})
+        if isinstance(out, (list, tuple)):
+            for j, o in enumerate(out):
+                env[("v", n, j)] = o
+        else:
+            env[("v", n, 0)] = out
+        for r in node_refs[n]:
+            if r[0] == "v" and last_use[r] == n and r not in keep:
+                env.pop(r, None)
+    return [value(r) for r in outputs]
+
+
+def to_fx(graph: Any, outputs: list[tuple]) -> torch.fx.GraphModule:
+    """The pending graph as an FX graph of ATen ops (meta tensors as node values)."""
+    fx = torch.fx.Graph()
+    env: dict[tuple, torch.fx.Node] = {}
+    for k, t in enumerate(graph.inputs):
+        node = fx.placeholder(f"in_{k}")
+        node.meta["val"] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+        env[("i", k)] = node
+    for n, (func, args, kwargs) in enumerate(graph.nodes):
+        node = fx.call_function(func, tuple(_map_refs(args, env.__getitem__)), _map_refs(kwargs, env.__getitem__))
+        metas = graph.metas[n]
+        vals = [None if m is None else torch.empty_strided(m[0], m[1], dtype=m[3], device="meta") for m in metas]
+        single = len(func._schema.returns) == 1 and not isinstance(func._schema.returns[0].type, torch.ListType)
+        node.meta["val"] = vals[0] if single else vals
+        if single:
+            env[("v", n, 0)] = node
+        else:
+            for j in range(len(metas)):
+                item = fx.call_function(operator.getitem, (node, j))
+                item.meta["val"] = vals[j]
+                env[("v", n, j)] = item
+    fx.output(tuple(env[r] for r in outputs))
+    return torch.fx.GraphModule(torch.nn.Module(), fx)
+
+
+@dataclass
+class _Entry:
+    runs: int = 0
+    runner: Any = None  # the ChoosingRunner once compiled
+    failed: bool = False
+    future: concurrent.futures.Future | None = None
+
+
+class GraphCache:
+    """Graphs by key, and their compiles."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple, _Entry] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def compile_mode() -> str:
+        mode = os.environ.get(COMPILE_VARIABLE, "async").strip().lower() or "async"
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"{COMPILE_VARIABLE}={mode!r}: expected one of {COMPILE_MODES}")
+        return mode
+
+    def run(self, graph: Any, outputs: list[tuple]) -> tuple[list[torch.Tensor], bool]:
+        """The output values, and whether the compiled graph produced them."""
+        key = graph_key(graph, outputs)
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = _Entry()
+        entry.runs += 1
+        if entry.runs == COMPILE_AT_RUN:
+            mode = self.compile_mode()
+            if mode != "off" and len(graph.nodes) >= MIN_COMPILED_OPS:
+                gm = to_fx(graph, outputs)
+                examples = list(graph.inputs)  # for their shapes; the compile reads no values
+                if mode == "sync":
+                    self._compile(entry, gm, examples)
+                else:
+                    entry.future = self._executor().submit(self._compile, entry, gm, examples)
+        if entry.runner is not None:
+            values = entry.runner(*graph.inputs)
+            return list(values), entry.runner.last_ran_compiled
+        return replay(graph, outputs), False
+
+    def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torch_tpu-compile")
+            return self._pool
+
+    @staticmethod
+    def _compile(entry: _Entry, gm: torch.fx.GraphModule, examples: list) -> None:
+        from torch_tpu import inductor
+
+        outputs = len(gm.graph.output_node().args[0])
+        try:
+            compiled = inductor.compile_graph(gm, examples, tpu_outputs=[True] * outputs)
+        except Exception as error:  # noqa: BLE001 - the graph keeps running op by op
+            if sys.is_finalizing() or "shutdown" in str(error):
+                return  # the process is exiting
+            logger.warning("DeferAndFuse: a graph of %d ops does not compile (%s): it runs op by op",
+                           sum(1 for n in gm.graph.nodes if n.op == "call_function"), error)
+            entry.failed = True
+            return
+        if isinstance(compiled, inductor.ChoosingRunner):
+            entry.runner = compiled
+        else:
+            entry.failed = True  # cannot keep tpu semantics compiled: op by op
+
+    def wait_for_compiles(self) -> None:
+        """Blocks until the compiles started so far are done (tests, benchmarks)."""
+        for entry in list(self.entries.values()):
+            if entry.future is not None:
+                entry.future.result()
