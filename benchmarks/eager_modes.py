@@ -14,8 +14,8 @@ tpu Strict, tpu Debug, tpu ``torch.compile(backend="tpu")`` (Inductor on tpu,
 the compiler DeferAndFuse shares), tpu DeferAndFuse (after its graphs have
 compiled and chosen compiled or op by op). The compiled variants compile the
 model and the optimizer step.
-Reported: median ms/step, ratio to CPU eager and to Strict, peak tpu memory
-over a step. Then cold vs warm start of the tpu-compiled step in fresh
+Reported: ms/step (the best of interleaved rounds' medians), ratio to CPU
+eager and to Strict, peak tpu memory over a step. Then cold vs warm start of the tpu-compiled step in fresh
 processes (empty caches, then the compile cache filled by the first run).
 """
 
@@ -123,45 +123,62 @@ def make_step(workload: Workload, variant: str) -> tuple[Callable[[], None], str
     return step, device
 
 
-def time_steps(step: Callable[[], None], device: str, steps: int, warmup: int) -> tuple[float, list[float]]:
-    for _ in range(warmup):
-        step()
-    sync = torch.tpu.synchronize if device == "tpu" else (lambda: None)
-    sync()
-    if device == "tpu":
-        torch.tpu.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        sync()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times), times
+class Variant:
+    """One variant's step, warmed up, timed in rounds interleaved with the others'."""
 
+    def __init__(self, workload: Workload, name: str, warmup: int) -> None:
+        import torch_tpu
 
-def measure(workload: Workload, variant: str, steps: int, warmup: int) -> dict:
-    import torch_tpu
-    from torch_tpu import defer
+        self.workload, self.name = workload, name
+        self.step, self.device = make_step(workload, name)
+        self.mode = lambda: torch_tpu.eager_mode(MODES.get(name, "strict"))
+        self.times: list[float] = []
+        self.peak_mib: float | None = None
+        with self.mode():
+            for _ in range(warmup):
+                self._step()
+            if name == "tpu defer_and_fuse":
+                # The graphs compiled in the background meanwhile; each then
+                # measures compiled against op by op and keeps one.
+                from torch_tpu import defer
 
-    step, device = make_step(workload, variant)
-    with torch_tpu.eager_mode(MODES.get(variant, "strict")):
-        if variant == "tpu defer_and_fuse":
-            for _ in range(warmup):  # first occurrences run op by op while their graphs compile
-                step()
-                torch.tpu.synchronize()
-            defer.engine().graphs.wait_for_compiles()
-            warmup = 2 * (ChoosingRunner.TRIALS + 1)  # each graph measures compiled vs op by op
-            defer.reset_stats()
-        base = torch.tpu.memory_allocated() if device == "tpu" else 0
-        ms, times = time_steps(step, device, steps, warmup)
-        peak = (torch.tpu.max_memory_allocated() - base) / 2**20 if device == "tpu" else None
-    row = {"workload": workload.name, "variant": variant, "ms_per_step": ms,
-           "spread_ms": max(times) - min(times), "peak_tpu_mib_over_resident": peak}
-    if variant == "tpu defer_and_fuse":
-        s = defer.stats()
-        row.update(graphs_per_step=s.graphs / (steps + warmup), ops_per_graph=s.ops_per_graph(),
-                   compiled_share=s.compiled_runs / max(s.graphs, 1), not_recorded=dict(s.not_recorded))
-    return row
+                defer.engine().graphs.wait_for_compiles()
+                for _ in range(2 * (ChoosingRunner.TRIALS + 1)):
+                    self._step()
+                defer.reset_stats()
+
+    def _step(self) -> None:
+        self.step()
+        if self.device == "tpu":
+            torch.tpu.synchronize()
+
+    def time_round(self, steps: int) -> float:
+        """The median ms/step of one round (peak tpu memory over a step recorded)."""
+        with self.mode():
+            if self.device == "tpu":
+                base = torch.tpu.memory_allocated()
+                torch.tpu.reset_peak_memory_stats()
+            times = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                self._step()
+                times.append((time.perf_counter() - start) * 1e3)
+            if self.device == "tpu":
+                self.peak_mib = (torch.tpu.max_memory_allocated() - base) / 2**20
+        self.times.append(statistics.median(times))
+        return self.times[-1]
+
+    def row(self, steps: int) -> dict:
+        row = {"workload": self.workload.name, "variant": self.name, "ms_per_step": min(self.times),
+               "rounds_ms": [round(t, 2) for t in self.times], "peak_tpu_mib_over_resident": self.peak_mib}
+        if self.name == "tpu defer_and_fuse":
+            from torch_tpu import defer
+
+            s = defer.stats()
+            timed = steps * len(self.times)
+            row.update(graphs_per_step=s.graphs / timed, ops_per_graph=s.ops_per_graph(),
+                       compiled_share=s.compiled_runs / max(s.graphs, 1), not_recorded=dict(s.not_recorded))
+        return row
 
 
 COLD_WARM = r"""
@@ -196,8 +213,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per round")
+    p.add_argument("--rounds", type=int, default=3, help="rounds, variants interleaved; the best round counts")
+    p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--skip-cold-start", action="store_true")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore", message="tpu matmul precision")
@@ -206,17 +224,20 @@ def main(argv: list[str] | None = None) -> None:
 
     rows = []
     for name in args.workloads.split(","):
-        results = {}
-        for variant in args.variants.split(","):
-            results[variant] = measure(WORKLOADS[name], variant, args.steps, args.warmup)
-            print(json.dumps(results[variant]), flush=True)
+        variants = [Variant(WORKLOADS[name], v, args.warmup) for v in args.variants.split(",")]
+        for _ in range(args.rounds):
+            for v in variants:
+                v.time_round(args.steps)
+        results = {v.name: v.row(args.steps) for v in variants}
+        del variants
         for variant, r in results.items():
+            print(json.dumps(r), flush=True)
             if "cpu eager" in results:
                 r["cpu_eager_over_this"] = results["cpu eager"]["ms_per_step"] / r["ms_per_step"]
             if "tpu strict" in results:
                 r["speedup_vs_strict"] = results["tpu strict"]["ms_per_step"] / r["ms_per_step"]
             rows.append(r)
-    columns = ["workload", "variant", "ms_per_step", "spread_ms", "cpu_eager_over_this", "speedup_vs_strict",
+    columns = ["workload", "variant", "ms_per_step", "rounds_ms", "cpu_eager_over_this", "speedup_vs_strict",
                "peak_tpu_mib_over_resident", "graphs_per_step", "ops_per_graph", "compiled_share"]
     table = report.markdown_table(rows, columns)
     starts = [] if args.skip_cold_start else cold_and_warm_start()

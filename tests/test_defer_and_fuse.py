@@ -543,3 +543,28 @@ def test_a_dlrm_step_with_sparsecore_embeddings_equals_strict():
     assert not stats.not_recorded, stats  # no op fell back
     for a, b in zip(strict, deferred):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("compile_mode", ["off", "sync"])
+def test_in_place_updates_of_real_tensors_take_no_second_copy(compile_mode, monkeypatch):
+    """An optimizer-like update of a real tensor runs in place when its graph
+    runs (op by op or compiled): no new value beside the old, no copy back."""
+    monkeypatch.setenv(COMPILE, compile_mode)
+    torch.manual_seed(0)
+    p, g = torch.randn(1 << 20, device="tpu"), torch.randn(1 << 20, device="tpu")  # 4 MiB each
+    expected = p.cpu()
+    for _ in range(6):
+        expected = expected * 0.9 + 0.1 * g.cpu()
+    with deferring():
+        for _ in range(5):
+            p.mul_(0.9).add_(g, alpha=0.1)
+            torch.tpu.synchronize()
+        base = torch.tpu.memory_allocated()
+        torch.tpu.reset_peak_memory_stats()
+        p.mul_(0.9).add_(g, alpha=0.1)
+        torch.tpu.synchronize()
+        extra = torch.tpu.max_memory_allocated() - base
+    assert extra < 4 * MIB, extra
+    torch.testing.assert_close(p.cpu(), expected, rtol=1e-5, atol=1e-6)
+    if compile_mode == "sync":
+        assert defer.stats().compiled_runs > 0, defer.stats()

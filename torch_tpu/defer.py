@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 aten = torch.ops.aten
 _ops = torch.ops.torch_tpu
 MAX_OPS = 4096
+MAX_META_CACHE = 100_000
 RECORDED_NAMESPACES = frozenset(["aten", "prims"])
 # Ops that look functional but must see real memory, or whose result
 # depends on more than their arguments.
@@ -196,6 +197,9 @@ class _Graph:
         self.pending_storages: dict[int, int] = {}  # StorageImpl address -> TensorImpl address of its base
         self.write_storages: dict[int, int] = {}  # StorageImpl address -> TensorImpl address written
         self.views_of: dict[int, list[_Bound]] = {}  # pending StorageImpl address -> its bound views
+        # Nodes that are in-place ops on real tensors, run in place (as issued)
+        # when the graph runs: their outputs are those tensors.
+        self.in_place: set[int] = set()
 
     def empty(self) -> bool:
         return not self.nodes and not self.bound
@@ -328,11 +332,17 @@ class _Engine:
                 raise _NotRecordable  # a second tensor writing the same real memory
             if storage in g.views_of and storage not in g.pending_storages and not _covers_storage(t):
                 raise _NotRecordable
-        refs_args, refs_kwargs, sig = self._refs(functional, args, kwargs)
+        # Writes to real memory whose every earlier write in the graph ran in
+        # place run in place too: no second copy of the tensor, no copy back.
+        in_place = all(_storage_id(t) not in g.pending_storages and self._written_in_place(t) for t in targets)
+        op = func if in_place else functional
+        refs_args, refs_kwargs, sig = self._refs(op, args, kwargs)
         out_metas = self._out_metas(functional, args, kwargs, sig)
         if len(out_metas) != len(targets):
             raise _NotRecordable
-        node = self._add_node(functional, refs_args, refs_kwargs, out_metas, sig)
+        node = self._add_node(op, refs_args, refs_kwargs, out_metas, sig)
+        if in_place:
+            g.in_place.add(node)
         for j, t in enumerate(targets):
             storage = _storage_id(t)
             if storage in g.pending_storages:
@@ -343,6 +353,10 @@ class _Engine:
                 self._rederive_views(storage, ("v", node, j))
         self._after_record()
         return None if info.returns == "none" else args[0]
+
+    def _written_in_place(self, t: torch.Tensor) -> bool:
+        bound = self.graph.bound.get(t._cdata)
+        return bound is None or (bound.kind == "write" and bound.ref[1] in self.graph.in_place)
 
     def _record_view_of_written(self, func, args, kwargs):
         """A view of a real tensor whose new value is pending: a real view (it
@@ -465,6 +479,8 @@ class _Engine:
         if cached is None:
             cached = self._compute_metas(func, args, kwargs)
             if key is not None:
+                if len(self.meta_cache) >= MAX_META_CACHE:
+                    self.meta_cache.clear()  # graphs that never recur: start over rather than grow
                 self.meta_cache[key] = cached
         if cached is False:
             raise _NotRecordable
@@ -527,16 +543,21 @@ class _Engine:
         storage = _storage_id(t)
         return t._cdata in g.bound or storage in g.pending_storages or storage in g.write_storages
 
-    def _held(self, entry: _Bound) -> bool:
-        """Whether anyone but the graph holds this tensor (Python or C++)."""
+    def _held(self, entry: _Bound, own: int = 0) -> bool:
+        """Whether anyone but the graph holds this tensor (Python or C++). `own`:
+        references the graph itself makes (its views' autograd base)."""
         py_base, impl_base, _ = self._holder_base
-        return sys.getrefcount(entry.tensor) > py_base or _ops._holders(entry.tensor)[0] > impl_base
-
-    def _alive(self, base: _Bound) -> bool:
-        """A pending base is needed if it, one of its views, or any other tensor on its storage is held."""
-        if self._held(base):
+        impl = _ops._holders(entry.tensor)[0]
+        if impl > impl_base + own:
             return True
-        views = self.graph.views_of.get(_storage_id(base.tensor), [])
+        # While C++ holds a TensorImpl, the TensorImpl holds its Python object.
+        return sys.getrefcount(entry.tensor) > py_base + (impl > impl_base)
+
+    def _alive(self, base: _Bound, graph: _Graph) -> bool:
+        """A pending base is needed if it, one of its views, or any other tensor on its storage is held."""
+        views = graph.views_of.get(_storage_id(base.tensor), [])
+        if self._held(base, own=len(views)):  # a view's autograd data holds its base
+            return True
         if _ops._holders(base.tensor)[1] > self._holder_base[2] + len(views):
             return True  # a TensorImpl the graph does not know shares the storage (a saved tensor)
         return any(self._held(v) for v in views)
@@ -549,8 +570,9 @@ class _Engine:
                 return
             self.graph = _Graph()
             self.repeats.flushed(g.funcs)
-            targets = [b for b in g.bound.values() if b.kind == "write" or (b.kind == "base" and self._alive(b))]
-            if not targets:
+            targets = [b for b in g.bound.values()
+                       if (b.kind == "write" and b.ref[1] not in g.in_place) or (b.kind == "base" and self._alive(b, g))]
+            if not targets and not g.in_place:
                 return
             outputs = [b.ref for b in targets]
             self.stats.graphs += 1

@@ -36,6 +36,9 @@ MIN_COMPILED_OPS = 2  # a graph of one op gains nothing from compiling
 # Graphs are compiled when they recur (their second run): a graph that runs
 # once - a first step that creates optimizer state, a one-off - is not worth it.
 COMPILE_AT_RUN = 2
+# Graphs that ran once are forgotten past this many (a loop whose graphs never
+# recur would otherwise grow the cache without end), with one warning.
+MAX_ONE_OFF_GRAPHS = 1000
 
 
 class Arg:
@@ -103,12 +106,16 @@ def replay(graph: Any, outputs: list[tuple]) -> list[torch.Tensor]:
         return inputs[r[1]] if r[0] == "i" else env[r]
 
     for n, (func, args, kwargs) in enumerate(graph.nodes):
-        out = func(*[_resolve(a, value) for a in args], **{k: _resolve(v, value) for k, v in kwargs.items()})
-        if isinstance(out, (list, tuple)):
-            for j, o in enumerate(out):
-                env[("v", n, j)] = o
-        else:
-            env[("v", n, 0)] = out
+        resolved = [_resolve(a, value) for a in args]
+        out = func(*resolved, **{k: _resolve(v, value) for k, v in kwargs.items()})
+        if n in graph.in_place:  # its outputs are the tensors it wrote
+            out = resolved[0]
+        outs = out if isinstance(out, (list, tuple)) else (out,)
+        for j, o in enumerate(outs):
+            r = ("v", n, j)
+            if r in last_use or r in keep:  # an output nothing reads is dropped at once
+                env[r] = o
+        del out, outs
         for r in node_refs[n]:
             if r[0] == "v" and last_use[r] == n and r not in keep:
                 env.pop(r, None)
@@ -124,8 +131,14 @@ def to_fx(graph: Any, outputs: list[tuple]) -> torch.fx.GraphModule:
         node.meta["val"] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
         env[("i", k)] = node
     for n, (func, args, kwargs) in enumerate(graph.nodes):
-        node = fx.call_function(func, tuple(_map_refs(args, env.__getitem__)), _map_refs(kwargs, env.__getitem__))
+        fx_args = tuple(_map_refs(args, env.__getitem__))
+        node = fx.call_function(func, fx_args, _map_refs(kwargs, env.__getitem__))
         metas = graph.metas[n]
+        if n in graph.in_place:  # its outputs are the inputs it wrote
+            targets = fx_args[0] if isinstance(fx_args[0], (list, tuple)) else [fx_args[0]]
+            for j, target in enumerate(targets):
+                env[("v", n, j)] = target
+            continue
         vals = [None if m is None else torch.empty_strided(m[0], m[1], dtype=m[3], device="meta") for m in metas]
         single = len(func._schema.returns) == 1 and not isinstance(func._schema.returns[0].type, torch.ListType)
         node.meta["val"] = vals[0] if single else vals
@@ -155,6 +168,7 @@ class GraphCache:
         self.entries: dict[tuple, _Entry] = {}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._warned = False
 
     @staticmethod
     def compile_mode() -> str:
@@ -168,6 +182,8 @@ class GraphCache:
         key = graph_key(graph, outputs)
         entry = self.entries.get(key)
         if entry is None:
+            if len(self.entries) >= MAX_ONE_OFF_GRAPHS:
+                self._forget_one_offs()
             entry = self.entries[key] = _Entry()
         entry.runs += 1
         if entry.runs == COMPILE_AT_RUN:
@@ -183,6 +199,17 @@ class GraphCache:
             values = entry.runner(*graph.inputs)
             return list(values), entry.runner.last_ran_compiled
         return replay(graph, outputs), False
+
+    def _forget_one_offs(self) -> None:
+        one_offs = [k for k, e in self.entries.items() if e.runs <= 1]
+        if len(one_offs) > MAX_ONE_OFF_GRAPHS // 2 and not self._warned:
+            self._warned = True
+            logger.warning(
+                "DeferAndFuse: %d graphs ran once and never recurred: they run op by op. Graphs are keyed by "
+                "their scalar arguments - keep per-step values (an optimizer's step, a scheduled lr) in tpu "
+                "tensors, e.g. capturable=True optimizers", len(one_offs))
+        for k in one_offs:
+            del self.entries[k]
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:
