@@ -39,6 +39,8 @@ test-all: setup
 
 bench: setup
 	$(PY) -m benchmarks.eager_overhead
+	$(PY) -m benchmarks.eager_modes
+	$(PY) -m benchmarks.inductor_codegen
 	$(PY) -m benchmarks.op_coverage
 	$(PY) -m benchmarks.collectives
 	$(PY) -m benchmarks.dlrm_distributed

@@ -84,6 +84,20 @@ def _is_fp32_mxu(node: torch.fx.Node) -> bool:
     return any(isinstance(v, torch.Tensor) and v.dtype == torch.float32 for v in values)
 
 
+COMPILED_NAMESPACES = frozenset(["aten", "prims"])
+
+
+def _check_compilable(target: Any) -> None:
+    """Custom ops (the SparseCore kernels, collectives) and higher-order ops
+    (their functionalized forms) keep their own tpu semantics - executors,
+    streams, in-place state - which a CPU compile of the graph does not:
+    graphs holding them run op by op."""
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        raise NotCompilable(f"{target.name()}: a higher-order op")
+    if isinstance(target, torch._ops.OpOverload) and target.namespace not in COMPILED_NAMESPACES:
+        raise NotCompilable(f"{target}: a custom op")
+
+
 def host_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of an ATen graph for the CPU compiler: tpu devices become cpu,
     matmul-family nodes their MXU ops. Raises NotCompilable for an fp32
@@ -92,6 +106,7 @@ def host_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     for node in host.graph.nodes:
         if node.op != "call_function":
             continue
+        _check_compilable(node.target)
         node.args = _host_device(node.args)
         node.kwargs = _host_device(node.kwargs)
         packet = getattr(node.target, "overloadpacket", None)
