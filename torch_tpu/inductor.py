@@ -81,6 +81,8 @@ def _host_device(value: Any) -> Any:
 
 def _is_fp32_mxu(node: torch.fx.Node) -> bool:
     values = [a.meta.get("val") for a in node.all_input_nodes]
+    if any(v is None for v in values):
+        return True  # dtype unknown: assume the MXU would round it
     return any(isinstance(v, torch.Tensor) and v.dtype == torch.float32 for v in values)
 
 
@@ -96,6 +98,15 @@ def _check_compilable(target: Any) -> None:
         raise NotCompilable(f"{target.name()}: a higher-order op")
     if isinstance(target, torch._ops.OpOverload) and target.namespace not in COMPILED_NAMESPACES:
         raise NotCompilable(f"{target}: a custom op")
+
+
+def _compilable(node: torch.fx.Node) -> bool:
+    try:
+        _check_compilable(node.target)
+    except NotCompilable:
+        return False
+    packet = getattr(node.target, "overloadpacket", None)
+    return not (packet in UNMAPPED_MXU_OPS and _is_fp32_mxu(node))
 
 
 def host_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -261,8 +272,58 @@ def compile_graph(
     try:
         compiled = compile_host(gm, example_inputs)
     except NotCompilable as reason:
-        logger.info("graph runs op by op: %s", reason)
-        return gm
+        split = compile_around(gm, choose)
+        logger.info("graph %s: %s", "compiled around the ops that cannot be" if split is not None
+                    else "runs op by op", reason)
+        return gm if split is None else split
     outputs = _output_devices(gm) if tpu_outputs is None else list(tpu_outputs)
     runner = HostRunner(compiled, _tpu_device(example_inputs), outputs)
     return ChoosingRunner(runner, gm) if choose else runner
+
+
+MIN_COMPILED_SEGMENT = 2  # ops: a lone op gains nothing from compiling
+
+
+class _Compiled(torch.nn.Module):
+    """A compiled segment where split_module put its submodule."""
+
+    def __init__(self, runner: Callable[..., Any]) -> None:
+        super().__init__()
+        self.runner = runner
+
+    def forward(self, *args: Any) -> Any:
+        return self.runner(*args)
+
+
+def compile_around(gm: torch.fx.GraphModule, choose: bool = True) -> torch.fx.GraphModule | None:
+    """``gm`` split at the nodes that cannot be compiled with tpu semantics
+    (custom ops, higher-order ops, unmapped fp32 matmuls): they run op by op,
+    each run of compilable nodes between them is compiled. None when no run
+    is worth compiling."""
+    from torch.fx.passes.split_module import split_module
+
+    partition: dict[torch.fx.Node, int] = {}
+    compilable: dict[int, int] = {}  # partition -> its ops, for the compilable ones
+    current, previous_ok = 0, None
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        ok = _compilable(node)
+        if not ok or previous_ok is not True:
+            current += 1
+        partition[node] = current
+        if ok:
+            compilable[current] = compilable.get(current, 0) + 1
+        previous_ok = ok
+    worth = {p for p, ops in compilable.items() if ops >= MIN_COMPILED_SEGMENT}
+    if not worth:
+        return None
+    split = split_module(gm, None, lambda node: partition[node], keep_original_order=True)
+    for name, sub in list(split.named_children()):
+        if int(name.rsplit("_", 1)[1]) not in worth:
+            continue
+        examples = [n.meta.get("val") for n in sub.graph.nodes if n.op == "placeholder"]
+        if any(not isinstance(v, torch.Tensor) for v in examples):
+            continue  # an input whose value tracing did not record: leave the segment op by op
+        setattr(split, name, _Compiled(compile_graph(sub, examples, choose=choose)))
+    return split

@@ -30,3 +30,48 @@ def test_compiled_training_step_matches_eager(backend):
         torch.testing.assert_close(loss.detach().cpu(), expected.detach().cpu())
     for key, value in eager.state_dict().items():
         torch.testing.assert_close(compiled_module.state_dict()[key], value)
+
+
+class EmbeddingAndMLP(torch.nn.Module):
+    """Pooled embeddings from the engine, then a small dense MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.ebc = SparseCoreEmbeddingBagCollection(TABLES, optim.Adam(lr=0.05), device="tpu")
+        width = sum(t.embedding_dim * len(t.feature_names) for t in TABLES) + 4
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 16), torch.nn.LayerNorm(16), torch.nn.GELU(),
+                                       torch.nn.Linear(16, 1)).to("tpu")
+
+    def forward(self, dense, batch):
+        pooled = self.ebc(batch).values()
+        return self.mlp(torch.cat([pooled, dense], 1)).square().mean()
+
+
+def test_the_tpu_backend_compiles_the_dense_part_around_the_engine(monkeypatch):
+    """fullgraph=True: the SparseCore ops stay in the graph and run as they are;
+    the dense ops on either side of them are compiled (in both the forward and
+    the backward graph), and training equals eager."""
+    from torch_tpu import inductor
+
+    splits = []
+    compile_around = inductor.compile_around
+    monkeypatch.setattr(inductor, "compile_around",
+                        lambda gm, choose=True: splits.append(compile_around(gm, choose)) or splits[-1])
+    torch.manual_seed(0)
+    eager = EmbeddingAndMLP()
+    compiled_module = EmbeddingAndMLP()
+    compiled_module.load_state_dict(eager.state_dict())
+    compiled = torch.compile(compiled_module, backend="tpu", fullgraph=True)
+    for seed in range(3):
+        kjt = random_kjt(TABLES, batch=5, seed=seed)
+        dense = torch.randn(5, 4).to("tpu")
+        loss = compiled(dense, compiled_module.ebc.preprocess(kjt))
+        loss.backward()
+        expected = eager(dense, eager.ebc.preprocess(kjt))
+        expected.backward()
+        torch.testing.assert_close(loss.detach().cpu(), expected.detach().cpu(), rtol=1e-5, atol=1e-6)
+    for key, value in eager.state_dict().items():
+        torch.testing.assert_close(compiled_module.state_dict()[key], value, rtol=1e-4, atol=1e-5)
+    assert len(splits) >= 2, splits  # the forward and the backward graph, each split around the engine
+    for split in splits:
+        assert any(isinstance(m, inductor._Compiled) for m in split.children()), split
