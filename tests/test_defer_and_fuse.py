@@ -6,7 +6,6 @@ graph; intermediates nobody holds are never allocated; repeated steps hit
 the graph cache."""
 
 import contextlib
-import copy
 import io
 import os
 import subprocess
@@ -19,7 +18,7 @@ from torch import nn
 import torch_tpu
 from torch_tpu import defer, deferred_graph
 from torch_tpu.eager import EagerMode
-from tests.test_inductor import zoo
+from tests.test_inductor import train_steps, zoo
 
 is_deferred = torch.ops.torch_tpu._is_deferred
 COMPILE = "TORCH_TPU_DEFER_COMPILE"
@@ -62,26 +61,6 @@ def test_the_variable_selects_defer_and_fuse_in_a_fresh_process():
 
 # ---- 1. the model zoo ----
 
-def train_steps(model: nn.Module, x: torch.Tensor, mode: str, steps: int, after_step=None) -> list[torch.Tensor]:
-    """Forward, .square().mean().backward() and an SGD momentum step, `steps` times under `mode`:
-    each step's output, then the last gradients and the final state_dict."""
-    model = copy.deepcopy(model).to("tpu")
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    outs = []
-    with torch_tpu.eager_mode(mode):
-        for _ in range(steps):
-            opt.zero_grad()
-            out = model(x.to("tpu"))
-            out.square().mean().backward()
-            opt.step()
-            outs.append(out.detach().cpu())
-            if after_step is not None:
-                after_step()
-        grads = [p.grad for p in model.parameters()]
-        state = list(model.state_dict().values())
-    return outs + [g.cpu() for g in grads] + [t.detach().cpu() for t in state]
-
-
 @pytest.mark.parametrize("name, compile_mode, steps", [
     ("mlp", "async", 3),  # the default: op by op while compiles run in the background
     ("cnn with batchnorm", "off", 3),
@@ -91,9 +70,9 @@ def train_steps(model: nn.Module, x: torch.Tensor, mode: str, steps: int, after_
 def test_model_zoo_training_equals_strict(name, compile_mode, steps, monkeypatch):
     monkeypatch.setenv(COMPILE, compile_mode)
     model, x = zoo()[name]
-    strict = train_steps(model, x, "strict", steps)
+    strict = train_steps(model, x, steps=steps)
     defer.reset_stats()
-    deferred = train_steps(model, x, "defer_and_fuse", steps)
+    deferred = train_steps(model, x, mode="defer_and_fuse", steps=steps)
     stats = defer.stats()
     assert stats.graphs > 0 and stats.ops_recorded > stats.graphs, stats
     assert stats.compiled_runs + stats.replayed_runs == stats.graphs, stats
@@ -365,8 +344,8 @@ def test_repeated_steps_hit_the_graph_cache(monkeypatch):
     model, x = zoo()["mlp"]
     entries = defer.engine().graphs.entries
     counts = []
-    strict = train_steps(model, x, "strict", 12)
-    deferred = train_steps(model, x, "defer_and_fuse", 12, after_step=lambda: counts.append(len(entries)))
+    strict = train_steps(model, x, steps=12)
+    deferred = train_steps(model, x, mode="defer_and_fuse", steps=12, after_step=lambda: counts.append(len(entries)))
     stats = defer.stats()
     # The first step differs (SGD creates its momentum buffers); from the second on, every graph is a hit.
     assert counts[0] > 0 and counts[1] == counts[-1], counts

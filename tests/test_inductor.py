@@ -12,6 +12,8 @@ import torch
 import torch.fx
 from torch import nn
 
+import torch_tpu
+
 from torch_tpu import inductor
 
 
@@ -27,20 +29,25 @@ def zoo() -> dict:
             "dlrm dense arch": (dense, torch.randn(64, 13))}
 
 
-def train_steps(model: nn.Module, x: torch.Tensor, compiled: bool, steps: int = 2) -> list[torch.Tensor]:
-    """Forward, backward and an SGD step, `steps` times: outputs, grads, weights, buffers. (Not Adam: gradients
-    that are zero in exact arithmetic - a key bias under softmax - are rounding noise, which Adam scales to
-    lr-sized steps of random sign.)"""
+def train_steps(model: nn.Module, x: torch.Tensor, *, compiled: bool = False, mode: str = "strict", steps: int = 2,
+                after_step=None) -> list[torch.Tensor]:
+    """Forward, .square().mean().backward() and an SGD momentum step, `steps` times (the model compiled with the
+    tpu backend or not, under eager `mode`): each step's output, then the last gradients and the final state_dict.
+    (Not Adam: gradients that are zero in exact arithmetic - a key bias under softmax - are rounding noise, which
+    Adam scales to lr-sized steps of random sign.)"""
     model = copy.deepcopy(model).to("tpu")
     fn = torch.compile(model, backend="tpu") if compiled else model
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
     outs = []
-    for _ in range(steps):
-        opt.zero_grad()
-        out = fn(x.to("tpu"))
-        out.square().mean().backward()
-        opt.step()
-        outs.append(out.detach().cpu())
+    with torch_tpu.eager_mode(mode):
+        for _ in range(steps):
+            opt.zero_grad()
+            out = fn(x.to("tpu"))
+            out.square().mean().backward()
+            opt.step()
+            outs.append(out.detach().cpu())
+            if after_step is not None:
+                after_step()
     return outs + [p.grad.cpu() for p in model.parameters()] + [t.detach().cpu() for t in model.state_dict().values()]
 
 
@@ -143,3 +150,28 @@ def test_the_tpu_backend_is_found_by_name():
     from torch._dynamo import list_backends
 
     assert "tpu" in list_backends(exclude_tags=())
+
+
+def test_shape_specializations_are_bounded(monkeypatch):
+    """New batch sizes after the first make Dynamo hand over a symbolic graph:
+    one static compile per size, up to the bound, then uncompiled with one
+    warning - and the results stay right throughout."""
+    from torch_tpu import compile_backend
+
+    monkeypatch.setattr(compile_backend, "MAX_SPECIALIZATIONS", 3)
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2)).to("tpu")
+    compiled = torch.compile(model, backend="tpu")
+    specializations = []
+    original = compile_backend.ShapeSpecializations.__call__
+
+    def spy(self, *args):
+        specializations.append(self)
+        return original(self, *args)
+
+    monkeypatch.setattr(compile_backend.ShapeSpecializations, "__call__", spy)
+    with pytest.warns(RuntimeWarning, match="3 shape specializations of one graph"), torch.no_grad():
+        for batch in range(2, 10):
+            x = torch.randn(batch, 8, device="tpu")
+            torch.testing.assert_close(compiled(x).cpu(), model(x).cpu(), rtol=1e-5, atol=1e-6)
+    assert specializations and max(len(s.compiled) for s in specializations) == 3
