@@ -28,7 +28,7 @@ from torch_tpu.eager import EagerMode, eager_mode, get_eager_mode, set_eager_mod
 if _AVAILABLE:
     try:
         get_eager_mode()  # reads the environment now: Debug's checks start on the importing thread
-    except (ValueError, NotImplementedError) as _error:  # import torch must not fail: said again at first use
+    except ValueError as _error:  # import torch must not fail: said again at first use
         import warnings
 
         warnings.warn(f"torch_tpu: {_error}", RuntimeWarning, stacklevel=2)

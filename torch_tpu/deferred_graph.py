@@ -6,7 +6,10 @@ return. Until it is compiled a graph replays its ops one by one - the kernels
 Strict runs, freeing each value after its last use. Its second run hands it to
 a background thread that compiles it (torch_tpu.inductor, through the compile
 cache); once compiled, its runs go through its ChoosingRunner: compiled or op
-by op, whichever measured faster.
+by op, whichever measured faster. Nodes recorded from in-place updates of real
+tensors (graph.in_place: parameters, optimizer state) write those tensors in
+place either way - the compiled graph as input mutations - so no second copy
+of them is made.
 
 Scalar arguments are part of the key, so a graph whose scalars change every
 step (an optimizer's bias corrections computed on the host) never recurs:

@@ -15,7 +15,10 @@ DeferAndFuse, read when the mode is first asked for; or by
 checks run in a dispatch mode, which is per thread: they cover the thread
 that set the mode (and whatever work it submits to tpu streams, which runs
 inline in Debug); another thread enters or leaves them when it next asks for
-the mode (as submitting to a stream does).
+the mode (as submitting to a stream does). DeferAndFuse's recording is a
+dispatch mode too, entered by the thread that chose it (autograd's backward
+threads inherit it); other threads asking for the mode only leave it, so
+stream workers never record.
 """
 
 from __future__ import annotations

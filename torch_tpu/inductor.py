@@ -17,8 +17,12 @@ host memory, so a graph compiled for cpu runs on it unchanged:
 
 Matmul-family nodes become ``torch.ops.torch_tpu.mxu_*``, the tpu kernels on
 CPU tensors, so compiled matmuls give Strict's numbers at the precision set
-when they run. A graph that cannot be compiled (an op without a CPU kernel, a
-matmul-family op with no MXU counterpart here) runs op by op on tpu instead.
+when they run. Nodes a CPU compile cannot run with their tpu semantics -
+custom ops (the SparseCore kernels, collectives), higher-order ops, an fp32
+matmul-family op with no MXU counterpart here - run as they are, op by op on
+tpu; the runs of other nodes between them are compiled (``compile_around``).
+Each compiled graph keeps whichever of compiled and op by op measures faster
+(``ChoosingRunner``).
 """
 
 from __future__ import annotations
