@@ -11,9 +11,9 @@ something needs real memory:
   ops (they draw from the tpu generator, as in Strict), in-place ops on views;
 * any op outside aten/prims (collectives, the SparseCore kernels), work
   submitted to a tpu stream, ``torch.tpu.synchronize()``;
-* the materialization hooks: ``torch.save``, ``Tensor.data_ptr``,
-  ``Tensor.untyped_storage``, ``Tensor.numpy`` - and whatever an extension
-  adds with ``register_materialization_hook``;
+* the materialization hooks (torch_tpu.materialization_hooks): ``torch.save``,
+  ``Tensor.data_ptr``, ``Tensor.untyped_storage``, ``Tensor.numpy``, printing
+  - and whatever an extension adds with ``register_materialization_hook``;
 * ``MAX_OPS`` recorded ops, and the boundaries of repeating op sequences
   (training steps, layer stacks: see ``_Repeats``), so graphs recur and hit
   the cache.
@@ -41,14 +41,15 @@ import logging
 import sys
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torch_tpu import deferred_graph
+from torch_tpu import deferred_graph, materialization_hooks
+from torch_tpu.materialization_hooks import register_materialization_hook  # noqa: F401 - the public entry
 from torch_tpu.deferred_graph import Arg, walk
 
 logger = logging.getLogger(__name__)
@@ -684,61 +685,11 @@ def reset_stats() -> None:
     engine().stats = DeferStats()
 
 
-_hooks: list[tuple[Any, str]] = []
-_originals: dict[tuple[int, str], Callable] = {}
-
-
-def register_materialization_hook(owner: Any, name: str) -> None:
-    """Makes ``owner.name`` (a function or method) materialize the pending graph
-    before it runs while DeferAndFuse is on: for code that reads tpu memory
-    without an aten op (raw pointers, serialization)."""
-    _hooks.append((owner, name))
-    if getattr(_local, "mode", None) is not None:
-        _install(owner, name)
-
-
-def _install(owner: Any, name: str) -> None:
-    key = (id(owner), name)
-    if key in _originals:
-        return
-    original = getattr(owner, name)
-    _originals[key] = original
-    where = f"{getattr(owner, '__name__', owner)}.{name}"
-
-    if owner is torch.Tensor:
-        def materialized(self, *args, **kwargs):
-            # Only for a tensor whose memory the pending graph has yet to write:
-            # other threads (a compile) call these too.
-            if _engine is not None and _engine.touches(self):
-                _engine.materialize(where)
-            return original(self, *args, **kwargs)
-    else:
-        def materialized(*args, **kwargs):
-            materialize(where)
-            return original(*args, **kwargs)
-
-    materialized.__wrapped__ = original
-    setattr(owner, name, materialized)
-
-
-def _uninstall_all() -> None:
-    for owner, name in _hooks:
-        original = _originals.pop((id(owner), name), None)
-        if original is not None:
-            setattr(owner, name, original)
-
-
-# Printing runs with dispatch modes off (torch._tensor_str), so it is a hook too.
-for _owner, _name in [(torch, "save"), (torch.Tensor, "data_ptr"), (torch.Tensor, "untyped_storage"),
-                      (torch.Tensor, "numpy"), (torch._tensor_str, "_str")]:
-    _hooks.append((_owner, _name))
-
-
 def enter_on_this_thread() -> None:
     if getattr(_local, "mode", None) is None:
-        for owner, name in _hooks:
-            _install(owner, name)
-        _local.mode = DeferAndFuse(engine())
+        eng = engine()
+        materialization_hooks.install(eng.materialize, eng.touches)
+        _local.mode = DeferAndFuse(eng)
         _local.mode.__enter__()
 
 
@@ -757,4 +708,4 @@ def leave_on_this_thread() -> None:
     engine().graphs.wait_for_compiles()
     _local.mode = None
     mode.__exit__(None, None, None)
-    _uninstall_all()
+    materialization_hooks.uninstall()

@@ -1,0 +1,78 @@
+"""The materialization-hook registry of DeferAndFuse.
+
+Code that reads tpu memory without an aten op - serialization, raw pointers,
+printing (which runs with dispatch modes off) - never reaches the recording
+dispatch mode, so while DeferAndFuse is on such functions and methods are
+wrapped to run the pending graph first. torch_tpu registers its own below;
+an extension registers its entry points with ``register_materialization_hook``.
+Methods of ``torch.Tensor`` materialize only for a tensor whose memory the
+pending graph has yet to write: other threads (a background compile) call
+them too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_hooks: list[tuple[Any, str]] = [
+    (torch, "save"),
+    (torch.Tensor, "data_ptr"),
+    (torch.Tensor, "untyped_storage"),
+    (torch.Tensor, "numpy"),
+    (torch._tensor_str, "_str"),
+]
+_originals: dict[tuple[int, str], Callable] = {}
+# While installed: (materialize(reason), touches(tensor) -> bool).
+_active: tuple[Callable[[str], None], Callable[[torch.Tensor], bool]] | None = None
+
+
+def register_materialization_hook(owner: Any, name: str) -> None:
+    """Makes ``owner.name`` (a function or method) materialize the pending graph
+    before it runs while DeferAndFuse is on."""
+    _hooks.append((owner, name))
+    if _active is not None:
+        _install(owner, name)
+
+
+def install(materialize: Callable[[str], None], touches: Callable[[torch.Tensor], bool]) -> None:
+    global _active
+    _active = (materialize, touches)
+    for owner, name in _hooks:
+        _install(owner, name)
+
+
+def uninstall() -> None:
+    global _active
+    _active = None
+    for owner, name in _hooks:
+        original = _originals.pop((id(owner), name), None)
+        if original is not None:
+            setattr(owner, name, original)
+
+
+def _install(owner: Any, name: str) -> None:
+    key = (id(owner), name)
+    if key in _originals:
+        return
+    original = getattr(owner, name)
+    _originals[key] = original
+    where = f"{getattr(owner, '__name__', owner)}.{name}"
+
+    if owner is torch.Tensor:
+        def materialized(self, *args, **kwargs):
+            active = _active
+            if active is not None and active[1](self):
+                active[0](where)
+            return original(self, *args, **kwargs)
+    else:
+        def materialized(*args, **kwargs):
+            active = _active
+            if active is not None:
+                active[0](where)
+            return original(*args, **kwargs)
+
+    materialized.__wrapped__ = original
+    setattr(owner, name, materialized)
