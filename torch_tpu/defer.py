@@ -544,11 +544,12 @@ class _Engine:
         storage = _storage_id(t)
         return t._cdata in g.bound or storage in g.pending_storages or storage in g.write_storages
 
-    def _held(self, entry: _Bound, own: int = 0) -> bool:
+    def _held(self, entry: _Bound, own: int = 0, impl: int | None = None) -> bool:
         """Whether anyone but the graph holds this tensor (Python or C++). `own`:
         references the graph itself makes (its views' autograd base)."""
         py_base, impl_base, _ = self._holder_base
-        impl = _ops._holders(entry.tensor)[0]
+        if impl is None:
+            impl = _ops._holders(entry.tensor)[0]
         if impl > impl_base + own:
             return True
         # While C++ holds a TensorImpl, the TensorImpl holds its Python object.
@@ -557,9 +558,10 @@ class _Engine:
     def _alive(self, base: _Bound, graph: _Graph) -> bool:
         """A pending base is needed if it, one of its views, or any other tensor on its storage is held."""
         views = graph.views_of.get(_storage_id(base.tensor), [])
-        if self._held(base, own=len(views)):  # a view's autograd data holds its base
+        impl, storage = _ops._holders(base.tensor)
+        if self._held(base, own=len(views), impl=impl):  # a view's autograd data holds its base
             return True
-        if _ops._holders(base.tensor)[1] > self._holder_base[2] + len(views):
+        if storage > self._holder_base[2] + len(views):
             return True  # a TensorImpl the graph does not know shares the storage (a saved tensor)
         return any(self._held(v) for v in views)
 
