@@ -20,6 +20,7 @@ from other versions is recompiled and overwritten, never loaded.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -45,6 +46,7 @@ class CorruptEntry(ValueError):
     """A cache file that must not be loaded (damaged, or built by other versions)."""
 
 
+@functools.cache  # reading package metadata is file I/O; every entry read and written asks
 def versions() -> dict[str, str]:
     try:
         ours = importlib.metadata.version("torch_tpu")

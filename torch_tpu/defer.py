@@ -50,7 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_tpu import deferred_graph, materialization_hooks
 from torch_tpu.materialization_hooks import register_materialization_hook  # noqa: F401 - the public entry
-from torch_tpu.deferred_graph import Arg, walk
+from torch_tpu.deferred_graph import Arg, map_arg
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +59,10 @@ _ops = torch.ops.torch_tpu
 MAX_OPS = 4096
 MAX_META_CACHE = 100_000
 RECORDED_NAMESPACES = frozenset(["aten", "prims"])
-# Ops that look functional but must see real memory, or whose result
-# depends on more than their arguments.
 # Allocation only: run at once (nothing to fuse), like views of real memory.
 ALLOCATIONS = frozenset([aten.empty.memory_format, aten.empty_strided.default])
+# And ops that look functional but must see real memory, or whose result
+# depends on more than their arguments.
 NEVER_RECORDED = ALLOCATIONS | frozenset([aten._local_scalar_dense.default, aten.lift_fresh.default, aten.set_.source_Storage,
                             aten.set_.source_Storage_storage_offset, aten.set_.source_Tensor, aten.set_.default,
                             aten.resize_.default, aten.record_stream.default])
@@ -188,7 +188,6 @@ class _Graph:
     def __init__(self) -> None:
         self.nodes: list[tuple[Any, list, dict]] = []  # (func, args, kwargs) with refs for tensors
         self.sigs: list[tuple] = []  # per node: (op, its arguments with tensors as (ref, meta)): the graph's key
-        self.funcs: list[Any] = []  # per node: its op (what repeats are detected on)
         self.metas: list[list[tuple]] = []  # per node, its outputs' metas
         self.inputs: list[torch.Tensor] = []
         self.input_index: dict[int, int] = {}  # TensorImpl address -> input number
@@ -266,12 +265,8 @@ class _Engine:
         if func.namespace not in RECORDED_NAMESPACES:
             return True  # collectives, SparseCore kernels: sync points
         g = self.graph
-        for a in flat:
-            if not isinstance(a, torch.Tensor):
-                continue
-            storage = _storage_id(a)
-            if a._cdata in g.bound or storage in g.pending_storages or storage in g.write_storages:
-                return True
+        if any(isinstance(a, torch.Tensor) and self.touches(a) for a in flat):
+            return True
         if _op_info(func).mutated:
             for a in flat:  # conservative: any mutable op over a tensor the graph reads
                 if isinstance(a, torch.Tensor) and _storage_id(a) in g.input_storages:
@@ -497,7 +492,7 @@ class _Engine:
             return a
 
         try:
-            out = func(*walk(list(args), to_meta), **walk(dict(kwargs), to_meta))
+            out = func(*[map_arg(a, to_meta) for a in args], **{k: map_arg(v, to_meta) for k, v in kwargs.items()})
         except Exception:  # no meta kernel, data-dependent shape, ...: run it for real
             return False
         leaves = out if isinstance(out, (list, tuple)) else [out]
@@ -512,7 +507,6 @@ class _Engine:
         g.nodes.append((func, refs_args, refs_kwargs))
         g.metas.append(out_metas)
         g.sigs.append(sig)
-        g.funcs.append(func)
         self.stats.ops_recorded += 1
         return n
 
@@ -531,7 +525,7 @@ class _Engine:
         g = self.graph
         if len(g.nodes) >= MAX_OPS:
             self.materialize("size limit")
-        elif self.repeats.at_boundary(g.funcs):
+        elif self.repeats.at_boundary(g.nodes[-1][0]):
             self.materialize("repeat boundary")
 
     # ---- materialization ----
@@ -572,7 +566,7 @@ class _Engine:
             if g.empty():
                 return
             self.graph = _Graph()
-            self.repeats.flushed(g.funcs)
+            self.repeats.flushed()
             targets = [b for b in g.bound.values()
                        if (b.kind == "write" and b.ref[1] not in g.in_place) or (b.kind == "base" and self._alive(b, g))]
             if not targets and not g.in_place:
@@ -609,33 +603,38 @@ class _Repeats:
     MIN_PERIOD = 64
 
     def __init__(self) -> None:
+        self.ops: list[Any] = []  # the ops of the pending graph, in order
         self.period: list[Any] | None = None
         self._cutting = False  # the next flush is the cut at_boundary asked for
 
-    def at_boundary(self, sigs: list[Any]) -> bool:
-        n = len(sigs)
+    def at_boundary(self, op: Any) -> bool:
+        """`op` was just recorded: whether the graph should be materialized now."""
+        ops = self.ops
+        ops.append(op)
+        n = len(ops)
         if self.period is not None:
             p = self.period
-            if n > len(p) or sigs[n - 1] != p[n - 1]:
+            if n > len(p) or op != p[n - 1]:
                 self.period = None
                 return False
             self._cutting = n == len(p)
             return self._cutting
         w = self.WINDOW
-        if n >= self.MIN_PERIOD + w and sigs[n - w:] == sigs[:w]:
-            self.period = sigs[:n - w]
+        if n >= self.MIN_PERIOD + w and ops[n - w:] == ops[:w]:
             # Materialized now; the next graph starts w ops into the period.
-            self.period = self.period[w:] + self.period[:w]
+            period = ops[:n - w]
+            self.period = period[w:] + period[:w]
             self._cutting = True
             return True
         return False
 
-    def flushed(self, sigs: list[Any]) -> None:
+    def flushed(self) -> None:
         """A graph ran: unless it is the cut asked for, keep the period only if it ended on a boundary."""
         if self._cutting:
             self._cutting = False
-        elif self.period is not None and len(sigs) not in (0, len(self.period)):
+        elif self.period is not None and len(self.ops) not in (0, len(self.period)):
             self.period = None
+        self.ops = []
 
 
 def _flat(args, kwargs) -> list:

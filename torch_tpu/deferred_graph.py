@@ -53,12 +53,12 @@ class Arg:
         self.ref = ref  # ("i", k): graph input k; ("v", n, j): output j of node n
 
 
-def walk(x: Any, fn) -> Any:
-    """`x` with every leaf mapped by `fn` (lists and tuples rebuilt, dicts by value)."""
-    if isinstance(x, (list, tuple)) and not isinstance(x, torch.Size):
-        return type(x)([walk(v, fn) for v in x]) if type(x) in (list, tuple) else x
-    if isinstance(x, dict):
-        return {k: walk(v, fn) for k, v in x.items()}
+def map_arg(x: Any, fn) -> Any:
+    """An op argument with its leaves mapped by `fn`: aten arguments nest at
+    most a list (Tensor[], Tensor?[], int[]) inside the argument list."""
+    t = type(x)
+    if t is list or t is tuple:
+        return t([fn(v) for v in x])
     return fn(x)
 
 
@@ -74,18 +74,14 @@ def arg_refs(args: list, kwargs: dict) -> list[tuple]:
     return refs
 
 
-def _map_refs(tree: Any, fn) -> Any:
-    return walk(tree, lambda x: fn(x.ref) if type(x) is Arg else x)
-
-
 def graph_key(graph: Any, outputs: list[tuple]) -> tuple:
     # The nodes' signatures hold every input's meta where it is used.
     return (tuple(graph.sigs), tuple(outputs))
 
 
 def _resolve(x: Any, value) -> Any:
-    """An argument with its Args replaced by values: aten arguments nest at most
-    a list (Tensor[], Tensor?[]) inside the argument list."""
+    """An argument with its Args replaced by values (map_arg, inlined: it is
+    on every op of an op-by-op run)."""
     t = type(x)
     if t is Arg:
         return value(x.ref)
@@ -133,9 +129,12 @@ def to_fx(graph: Any, outputs: list[tuple]) -> torch.fx.GraphModule:
         node = fx.placeholder(f"in_{k}")
         node.meta["val"] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
         env[("i", k)] = node
+    def node_of(x: Any) -> Any:
+        return env[x.ref] if type(x) is Arg else x
+
     for n, (func, args, kwargs) in enumerate(graph.nodes):
-        fx_args = tuple(_map_refs(args, env.__getitem__))
-        node = fx.call_function(func, fx_args, _map_refs(kwargs, env.__getitem__))
+        fx_args = tuple(map_arg(a, node_of) for a in args)
+        node = fx.call_function(func, fx_args, {k: map_arg(v, node_of) for k, v in kwargs.items()})
         metas = graph.metas[n]
         if n in graph.in_place:  # its outputs are the inputs it wrote
             targets = fx_args[0] if isinstance(fx_args[0], (list, tuple)) else [fx_args[0]]

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from torch_tpu import _backend
+from torch_tpu import _backend, eager
 
 _device_t = torch.device | str | int | None
 
@@ -43,9 +43,7 @@ def set_device(device: _device_t) -> None:
 
 def synchronize(device: _device_t = None) -> None:
     """Runs DeferAndFuse's pending graph, then waits for all work queued on every stream of the device."""
-    from torch_tpu import defer
-
-    defer.materialize("torch.tpu.synchronize")
+    eager.materialize_deferred("torch.tpu.synchronize")
     torch.accelerator.synchronize(_index(device))
 
 

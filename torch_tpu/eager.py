@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
+import sys
 import threading
 from collections.abc import Iterator, Mapping
 
@@ -84,7 +85,7 @@ def get_eager_mode() -> EagerMode:
             mode = _mode
     # DeferAndFuse records on the thread that chose it (and the backward
     # threads that inherit its modes), not on stream workers that ask.
-    _enter_checks_on_this_thread(mode, record=first_read)
+    _enter_mode_on_this_thread(mode, record=first_read)
     return mode
 
 
@@ -98,7 +99,7 @@ def set_eager_mode(mode: EagerMode | str) -> None:
         torch.tpu.synchronize()  # what was queued before runs under the old mode, then all is synchronous
     with _lock:
         _mode = mode
-    _enter_checks_on_this_thread(mode)
+    _enter_mode_on_this_thread(mode)
 
 
 @contextlib.contextmanager
@@ -112,12 +113,20 @@ def eager_mode(mode: EagerMode | str) -> Iterator[None]:
         set_eager_mode(previous)
 
 
+def materialize_deferred(reason: str) -> None:
+    """Runs DeferAndFuse's pending graph, if DeferAndFuse was ever entered
+    (torch_tpu.defer is imported only then: Strict pays nothing)."""
+    defer = sys.modules.get("torch_tpu.defer")
+    if defer is not None:
+        defer.materialize(reason)
+
+
 def is_synchronous() -> bool:
     """Whether work submitted to tpu streams must run at once (Debug)."""
     return get_eager_mode() is EagerMode.DEBUG
 
 
-def _enter_checks_on_this_thread(mode: EagerMode, record: bool = True) -> None:
+def _enter_mode_on_this_thread(mode: EagerMode, record: bool = True) -> None:
     """The mode's dispatch mode - Debug's checks or DeferAndFuse's recording -
     entered on this thread (and the other left)."""
     if mode is not EagerMode.DEFER_AND_FUSE and getattr(_local, "deferring", False):

@@ -193,9 +193,9 @@ class HostRunner:
         ]
         adopted = torch.ops.torch_tpu._adopt_host_results([flat[i] for i in slots], self.device)
         for i, t in zip(slots, adopted):
-            flat[i] = t
+            flat[i] = t  # tpu now: the loop below leaves it
         for i, o in enumerate(flat):
-            if isinstance(o, torch.Tensor) and i not in slots and o.device.type == "cpu":
+            if isinstance(o, torch.Tensor) and o.device.type == "cpu":
                 flat[i] = o.clone()  # a cpu output: out of the tpu memory it was allocated in
         return torch.utils._pytree.tree_unflatten(flat, spec)
 

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 
 import torch
 
+from torch_tpu import eager
+
 _MODES = {"highest": 0, "high": 1, "medium": 2}
 _NAMES = {v: k for k, v in _MODES.items()}
 _COST = {"high": "about 3x", "highest": "about 6x on a TPU"}
@@ -41,9 +43,7 @@ def set_float32_matmul_precision(precision: str) -> None:
 
 def _set(mode: int) -> None:
     # Ops DeferAndFuse has recorded run at the precision they were issued at.
-    from torch_tpu import defer
-
-    defer.materialize("matmul precision change")
+    eager.materialize_deferred("matmul precision change")
     torch.ops.torch_tpu._set_matmul_precision(mode)
 
 

@@ -115,9 +115,7 @@ def submit(stream: torch.Stream, fn: Callable[..., Any], /, *args: Any, **kwargs
     submitting thread's grad mode and intra-op thread count: both are per
     thread, and a stream's worker would otherwise keep its own.
     """
-    from torch_tpu import defer
-
-    defer.materialize("work submitted to a tpu stream")  # the work may read any tensor it was given
+    eager.materialize_deferred("work submitted to a tpu stream")  # the work may read any tensor it was given
     future: concurrent.futures.Future = concurrent.futures.Future()
     grad, threads = torch.is_grad_enabled(), torch.get_num_threads()
 

@@ -5,6 +5,7 @@
 
 #include "TpuAllocator.h"
 #include "TpuDevice.h"
+#include "TpuHost.h"
 
 #include <ATen/EmptyTensor.h>
 #include <c10/core/TensorImpl.h>
@@ -71,18 +72,13 @@ std::vector<int64_t> holders(const at::Tensor& self) {
   return {static_cast<int64_t>(self.use_count()), static_cast<int64_t>(self.storage().use_count())};
 }
 
-bool is_deferred(const at::Tensor& self) {
-  return self.numel() > 0 && self.storage().nbytes() == 0 && self.storage().data() == nullptr;
-}
-
-
 } // namespace
 
 TORCH_LIBRARY_FRAGMENT(torch_tpu, m) {
   m.def("_deferred_empty(int[] size, int[] stride, ScalarType dtype, Device device) -> Tensor", deferred_empty);
   m.def("_deferred_alias(Tensor base, int[] size, int[] stride, int offset) -> Tensor", deferred_alias);
   m.def("_fill_deferred(Tensor self, Tensor value) -> bool", fill_deferred);
-  m.def("_is_deferred(Tensor self) -> bool", is_deferred);
+  m.def("_is_deferred(Tensor self) -> bool", [](const at::Tensor& self) { return is_deferred(self); });
   m.def("_holders(Tensor self) -> int[]", holders);
 }
 

@@ -27,6 +27,13 @@ const c10::Storage* viewed_tpu_storage(const c10::DataPtr& data) {
                                                     : nullptr;
 }
 
+// Host views of a pending tensor would point CPU kernels at no memory.
+void check_materialized(const at::Tensor& t) {
+  TORCH_CHECK(!is_deferred(t), "a tpu tensor of sizes ", t.sizes(),
+              " has no memory yet: it is pending under DeferAndFuse, and this thread does not run DeferAndFuse; "
+              "call torch_tpu.defer.materialize() before handing tensors to it");
+}
+
 bool same_geometry(const at::Tensor& a, const at::Tensor& b) {
   return a.sizes().equals(b.sizes()) && a.strides().equals(b.strides()) &&
       a.storage_offset() == b.storage_offset();
@@ -67,8 +74,13 @@ at::Tensor make_tpu_tensor(c10::Storage storage, const at::Tensor& like) {
   return make_tensor(std::move(storage), c10::DispatchKey::PrivateUse1, like);
 }
 
+bool is_deferred(const at::Tensor& t) {
+  return t.numel() > 0 && t.storage().nbytes() == 0 && t.storage().data() == nullptr;
+}
+
 at::Tensor owning_host_view(const at::Tensor& t) {
   TORCH_CHECK(t.layout() == c10::kStrided, "tpu supports strided tensors only, got ", t.layout());
+  check_materialized(t);
   c10::Storage tpu = t.storage();
   void* data = tpu.mutable_data();
   auto* owner = new c10::Storage(std::move(tpu));
@@ -86,10 +98,7 @@ at::Tensor HostScope::view(const at::Tensor& t) {
     return t;
   }
   TORCH_CHECK(t.layout() == c10::kStrided, "tpu supports strided tensors only, got ", t.layout());
-  TORCH_CHECK(t.numel() == 0 || t.storage().nbytes() > 0 || t.storage().data() != nullptr,
-              "a tpu tensor of sizes ", t.sizes(), " has no memory yet: it is pending under DeferAndFuse, "
-              "and this thread does not run DeferAndFuse; call torch_tpu.defer.materialize() before handing "
-              "tensors to it");
+  check_materialized(t);
   for (const auto& v : views_) {
     if (v.tpu.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) {
       return v.cpu;

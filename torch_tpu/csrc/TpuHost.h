@@ -67,6 +67,9 @@ c10::DeviceIndex common_device(const char* op, c10::ArrayRef<at::Tensor> tensors
 void check_operand_device(const char* op, const at::Tensor& t, c10::DeviceIndex* device,
                           bool allow_cpu_tensors);
 
+// Whether a tpu tensor is pending under DeferAndFuse: sizes, no memory yet.
+bool is_deferred(const at::Tensor& t);
+
 // A CPU tensor on the memory of a tpu tensor that holds a reference to the
 // tpu storage, so it may outlive the call that made it (HostScope's views
 // borrow the storage instead). HostScope::adopt turns a result on such a view
