@@ -247,13 +247,13 @@ def measure_plan(plan: ShardingPlan, configs, data, settings: Settings, anchor: 
             own.append(type(d).from_jt_dict({f: jagged[f] for f in names}))
         parts.append((sharded.replicas, own))
 
-    def alone(i: int) -> None:
+    def sparsecore_only(i: int) -> None:
         for engine, batches in parts:
             engine(batches[i % len(batches)]).values().sum().backward()
 
     for i in range(settings.warmup):
-        alone(i)
-    sparsecore_s, _ = timed(alone, settings.steps, settings.rounds, anchor)  # every rank: the barriers must pair
+        sparsecore_only(i)
+    sparsecore_s, _ = timed(sparsecore_only, settings.steps, settings.rounds, anchor)  # every rank: the barriers must pair
     sharded.close()
     return {"step_ms": step_s * 1e3, "step_spread": spread, "sparsecore_ms": sparsecore_s * 1e3, "peak_bytes": peak}
 

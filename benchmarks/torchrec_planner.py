@@ -100,8 +100,7 @@ LEARNING_RATE = 0.01
 """Any rate: planning reads only the optimizer's kind, but its constructor wants one."""
 
 
-def plan_with_torchrec(tables: Sequence[TableSpec], topology: Topology, batch_size: int,
-                       compute_device: str = "cpu") -> tuple[ShardingPlan, float]:
+def plan_with_torchrec(tables: Sequence[TableSpec], topology: Topology, batch_size: int) -> tuple[ShardingPlan, float]:
     """TorchRec's EmbeddingShardingPlanner on these tables (its own cost model, storage limits
     from topology.hbm_bytes per rank, world size topology.chips, local_world_size
     topology.chips_per_host); returns its plan converted to ours and the planning seconds."""
@@ -112,7 +111,7 @@ def plan_with_torchrec(tables: Sequence[TableSpec], topology: Topology, batch_si
     module = _meta_collection(tables)
     with _quiet_torchrec():
         planner = EmbeddingShardingPlanner(
-            topology=_torchrec_topology(topology, compute_device),
+            topology=_torchrec_topology(topology),
             batch_size=math.ceil(batch_size / topology.chips),
             constraints={t.name: ParameterConstraints(pooling_factors=[t.pooling_factor]) for t in tables})
         sharder = EmbeddingBagCollectionSharder(fused_params=_fused_params(tables))
@@ -147,13 +146,11 @@ def _fused_params(tables: Sequence[TableSpec]) -> dict[str, object]:
     return params
 
 
-def _torchrec_topology(topology: Topology, compute_device: str) -> TorchRecTopology:
+def _torchrec_topology(topology: Topology) -> TorchRecTopology:
     # On "cpu" TorchRec gives devices no HBM and keeps tables in DDR: the chip's HBM must be the
-    # DDR cap for the limit to bind. Elsewhere DDR keeps TorchRec's default (room for UVM caching).
-    ddr_cap = topology.hbm_bytes if compute_device == "cpu" else None
-    # Our hosts are chips_per_host ranks each, and never larger than the world.
-    return TorchRecTopology(world_size=topology.chips, compute_device=compute_device, hbm_cap=topology.hbm_bytes,
-                            ddr_cap=ddr_cap, local_world_size=min(topology.chips_per_host, topology.chips))
+    # DDR cap for the limit to bind. Our hosts are chips_per_host ranks each, never more than the world.
+    return TorchRecTopology(world_size=topology.chips, compute_device="cpu", hbm_cap=topology.hbm_bytes,
+                            ddr_cap=topology.hbm_bytes, local_world_size=min(topology.chips_per_host, topology.chips))
 
 
 class _FromTorchRec(logging.Filter):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -179,24 +180,28 @@ class SparseCoreCollection(nn.Module):
         """Writes the table's rows (logical order) of the optimizer state tensor ``name``."""
         self.wait_for_updates()
         stack = self._stack_of(table)
-        target = self._optimizer_state[stack.name][name]
-        target.index_copy_(0, logical_to_physical(stack, table, target.device), value.to(target))
+        self._write_rows(self._optimizer_state[stack.name][name], stack, table, value, name)
 
     @torch.no_grad()
     def set_table_weight(self, table: str, weight: torch.Tensor) -> None:
         self.wait_for_updates()
         stack = self._stack_of(table)
-        target = self._weights[stack.name]
+        self._write_rows(self._weights[stack.name], stack, table, weight, "weight")
+
+    @staticmethod
+    def _write_rows(target: torch.Tensor, stack: StackSpec, table: str, value: torch.Tensor, what: str) -> None:
+        """``value`` (the table's rows in logical order) into its rows of the stack's ``target``."""
         rows = logical_to_physical(stack, table)
-        if weight.shape != (rows.numel(), target.shape[1]):
-            raise ValueError(f"table {table!r}: weight of shape {tuple(weight.shape)}; expected "
-                             f"({rows.numel()}, {target.shape[1]})")
+        expected = (rows.numel(), *target.shape[1:])
+        if tuple(value.shape) != expected:
+            raise ValueError(f"table {table!r}: {what} of shape {tuple(value.shape)}; expected {expected}")
         # In slices: a whole table's copy on the device, on top of the stacks, could be what
-        # does not fit in a full HBM.
-        step = max(1, COPY_SLICE_BYTES // max(1, target.shape[1] * target.element_size()))
+        # does not fit in a full HBM (optimizer state can be twice the table).
+        row = max(1, math.prod(target.shape[1:]) * target.element_size())
+        step = max(1, COPY_SLICE_BYTES // row)
         for start in range(0, rows.numel(), step):
             target.index_copy_(0, rows[start:start + step].to(target.device),
-                               weight[start:start + step].to(device=target.device, dtype=target.dtype))
+                               value[start:start + step].to(device=target.device, dtype=target.dtype))
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

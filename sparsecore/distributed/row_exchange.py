@@ -25,7 +25,7 @@ def _all_gather_v(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> list
         padded = tensor.new_empty(longest, *tensor.shape[1:])
         padded[:tensor.shape[0]] = tensor
     parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded.contiguous(), group=group)
+    dist.all_gather(parts, padded, group=group)
     return [p[:n] for p, n in zip(parts, sizes)]
 
 

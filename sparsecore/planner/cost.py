@@ -101,13 +101,11 @@ def read_cost_model(path: str | Path) -> CostModel:
         raise ValueError(f"{path}: not a cost model ({error})") from error
 
 
-@functools.lru_cache(maxsize=4096)
-def distinct_ids(draws: float, rows: int, zipf_alpha: float | None) -> float:
-    """Expected distinct ids among ``draws`` ids of ``rows`` (uniform, or Zipf(alpha) by rank)."""
-    if draws <= 0:
-        return 0.0
-    if zipf_alpha is None:
-        return rows * -math.expm1(draws * math.log1p(-1.0 / rows)) if rows > 1 else 1.0
+@functools.lru_cache(maxsize=4)
+def _zipf_misses(rows: int, zipf_alpha: float) -> tuple[np.ndarray, float, int]:
+    """Per ranked row of a Zipf(alpha) table, log(1 - p) of a draw missing it; the tail's
+    share of the draws; the rows counted one by one. A table is asked for two draw counts
+    in a row (the batch's and a replica's): the million-row vector is built once."""
     head = min(rows, 1_000_000)  # the tail beyond is rarely drawn: counted as its expectation
     ranks = np.arange(1, head + 1, dtype=np.float64)
     weights = ranks ** -zipf_alpha
@@ -117,7 +115,18 @@ def distinct_ids(draws: float, rows: int, zipf_alpha: float | None) -> float:
                 (rows ** (1 - zipf_alpha) - head ** (1 - zipf_alpha)) / (1 - zipf_alpha))
     total = weights.sum() + tail
     p = weights / total
-    return float((-np.expm1(draws * np.log1p(-np.minimum(p, 1 - 1e-12)))).sum() + min(tail / total * draws, rows - head))
+    return np.log1p(-np.minimum(p, 1 - 1e-12)), tail / total, head
+
+
+@functools.lru_cache(maxsize=4096)
+def distinct_ids(draws: float, rows: int, zipf_alpha: float | None) -> float:
+    """Expected distinct ids among ``draws`` ids of ``rows`` (uniform, or Zipf(alpha) by rank)."""
+    if draws <= 0:
+        return 0.0
+    if zipf_alpha is None:
+        return rows * -math.expm1(draws * math.log1p(-1.0 / rows)) if rows > 1 else 1.0
+    log_miss, tail_share, head = _zipf_misses(rows, zipf_alpha)
+    return float((-np.expm1(draws * log_miss)).sum() + min(tail_share * draws, rows - head))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,10 +199,9 @@ def lookup_work(table: TableSpec, *, width: int, ids: float, out_rows: float, re
     ``table`` (which are distinct follows the table's id distribution), at most ``rows`` rows of
     ``width``, ``out_rows`` output rows; ``remote_share`` of its ids and rows cross to other devices."""
     distinct = touched_rows(table, ids, batch_ids, rows)
-    weights = width * table.element_bytes
-    moved = distinct * weights + ids * COO_BYTES_PER_ID + out_rows * width * 4
+    moved = distinct * width * table.element_bytes + ids * COO_BYTES_PER_ID + out_rows * width * 4
     if training:
-        moved += 2 * distinct * (weights + table.state_values(width) * 4) + out_rows * width * 4
+        moved += 2 * distinct * row_bytes(table, width) + out_rows * width * 4
     exchanged = remote_share * (ids * ID_BYTES + (2 if training else 1) * out_rows * width * 4)
     return Work(hbm_bytes=moved, ids=ids, shards=1, exchanged_bytes=exchanged)
 
@@ -203,9 +211,14 @@ def touched_rows(table: TableSpec, ids: float, batch_ids: float, rows: float) ->
     return min(distinct_ids(batch_ids, table.num_embeddings, table.zipf_alpha) * ids / max(batch_ids, 1e-9), rows)
 
 
+def row_bytes(table: TableSpec, width: int) -> int:
+    """A row's weights (``width`` of them) and its fp32 optimizer state."""
+    return width * table.element_bytes + table.state_values(width) * 4
+
+
 def storage_bytes(table: TableSpec, rows: int, width: int) -> int:
     """A shard's weights and fp32 optimizer state."""
-    return rows * width * table.element_bytes + rows * table.state_values(width) * 4
+    return rows * row_bytes(table, width)
 
 
 def buffer_bytes(ids: float, out_rows: float, width: int) -> float:
@@ -262,15 +275,15 @@ def shard_costs(table: TableSpec, kind: str, shards: int, topology: Topology, ba
         # Distinct among the replica's own ids (a smaller draw repeats less than its share of the batch's).
         local_rows = touched_rows(table, local_ids, local_ids, rows)
         every_row = touched_rows(table, ids, ids, rows)
-        row_bytes = dim * 4 + ID_BYTES
+        gradient_bytes = dim * 4 + ID_BYTES  # a row's gradient and its id
         work = lookup(rows, dim, local_ids, local_batch, remote_share=0.0, training=False,
                       drawn_from=local_ids) + Work(
-            hbm_bytes=local_batch * dim * 4 + 2 * every_row * (dim * table.element_bytes + table.state_values(dim) * 4),
-            gathered_rows=shards * local_rows, exchanged_bytes=remote * shards * local_rows * row_bytes,
+            hbm_bytes=local_batch * dim * 4 + 2 * every_row * row_bytes(table, dim),
+            gathered_rows=shards * local_rows, exchanged_bytes=remote * shards * local_rows * gradient_bytes,
             exchanges=4)  # an all_gather of the sizes, then of the data, for the rows and for their gradients
         # The rows' gradients, every replica's gathered (and joined), their sums. Its output rows
         # are the device's own samples': device_baseline counts them.
-        transient = local_ids * row_bytes + 2 * shards * local_rows * row_bytes + every_row * dim * 4
+        transient = local_ids * gradient_bytes + 2 * shards * local_rows * gradient_bytes + every_row * dim * 4
         hbm = storage_bytes(table, rows, dim) + buffer_bytes(local_ids, 0, dim) + transient
         return [priced(hbm, work, topology, model)] * shards
     raise ValueError(f"unknown sharding type {kind!r}; expected one of {list(SHARDING_TYPES)}")

@@ -81,7 +81,7 @@ def _relative_fit(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
 
 
 def fit_cost_model(compute: Sequence[ComputeSample], exchanges: Sequence[ExchangeSample], topology: Topology, *,
-                   reserved_fraction: float = CostModel().reserved_fraction, fitted_from: str = "") -> CostModel:
+                   fitted_from: str = "") -> CostModel:
     """The constants that best explain the samples on ``topology`` (whose peak bandwidths the
     efficiencies are shares of). Needs samples that vary in bytes: at least 3 compute and 2
     exchange samples. A feature no sample has (e.g. no routed ids) gets a zero constant."""
@@ -107,8 +107,7 @@ def fit_cost_model(compute: Sequence[ComputeSample], exchanges: Sequence[Exchang
     per_byte, per_id, per_shard, per_routed_id, per_routed_table, per_gathered, per_statistic = map(float, rates)
     return dataclasses.replace(ici, hbm_efficiency=1.0 / (per_byte * topology.hbm_gbps * 1e9), id_s=per_id,
                                shard_s=per_shard, route_id_s=per_routed_id, route_table_s=per_routed_table,
-                               gather_row_s=per_gathered, row_statistic_s=per_statistic,
-                               reserved_fraction=reserved_fraction, fitted_from=fitted_from)
+                               gather_row_s=per_gathered, row_statistic_s=per_statistic, fitted_from=fitted_from)
 
 
 def predicted_seconds(sample: ComputeSample | ExchangeSample, topology: Topology, model: CostModel) -> float:

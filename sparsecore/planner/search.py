@@ -77,7 +77,7 @@ class PlanResult:
     capacity_bytes: int
     lower_bound_s: float
     planning_s: float
-    device_work: list[Work] = dataclasses.field(default_factory=list)
+    device_work: list[Work]
     """Per device, its shards' work summed (the cost model's features)."""
 
     @property
