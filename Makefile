@@ -40,6 +40,7 @@ test-all: setup
 bench: setup
 	$(PY) -m benchmarks.eager_overhead
 	$(PY) -m benchmarks.eager_modes
+	$(PY) -m benchmarks.compile
 	$(PY) -m benchmarks.inductor_codegen
 	$(PY) -m benchmarks.op_coverage
 	$(PY) -m benchmarks.collectives

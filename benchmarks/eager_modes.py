@@ -43,7 +43,10 @@ from torch_tpu.inductor import ChoosingRunner
 @dataclass(frozen=True)
 class Workload:
     name: str
-    build: Callable[[], tuple[nn.Module, tuple[torch.Tensor, ...]]]
+    build: Callable[[], tuple[nn.Module, tuple[torch.Tensor, ...]]] | None = None
+    # A workload whose step is more than a model, its inputs and one optimizer
+    # (benchmarks.compile's DLRM step) builds its own step; default: make_step.
+    make_step: Callable[[Workload, str], tuple[Callable[[], None], str]] | None = None
 
 
 class DenseStep(nn.Module):
@@ -130,7 +133,7 @@ class Variant:
         import torch_tpu
 
         self.workload, self.name = workload, name
-        self.step, self.device = make_step(workload, name)
+        self.step, self.device = (workload.make_step or make_step)(workload, name)
         self.mode = lambda: torch_tpu.eager_mode(MODES.get(name, "strict"))
         self.times: list[float] = []
         self.peak_mib: float | None = None
@@ -209,34 +212,52 @@ def cold_and_warm_start() -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
-    p.add_argument("--variants", default=",".join(VARIANTS))
+def measure(workload: Workload, variants: list[str], steps: int, rounds: int, warmup: int) -> list[dict]:
+    """One row per variant (rounds interleaved), with its ratios to CPU eager, to Strict and
+    to CPU Inductor when those were measured too."""
+    timed = [Variant(workload, v, warmup) for v in variants]
+    for _ in range(rounds):
+        for v in timed:
+            v.time_round(steps)
+    results = {v.name: v.row(steps) for v in timed}
+    del timed  # the next workload's models need the memory
+    for r in results.values():
+        print(json.dumps(r), flush=True)
+        if "cpu eager" in results:
+            r["cpu_eager_over_this"] = results["cpu eager"]["ms_per_step"] / r["ms_per_step"]
+        if "tpu strict" in results:
+            r["speedup_vs_strict"] = results["tpu strict"]["ms_per_step"] / r["ms_per_step"]
+        if "cpu compiled" in results:  # the other way round: <= 1.1 is benchmarks.compile's target
+            r["over_cpu_inductor"] = r["ms_per_step"] / results["cpu compiled"]["ms_per_step"]
+    return list(results.values())
+
+
+def timing_arguments(description: str, workloads: list[str], variants: list[str]) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--workloads", default=",".join(workloads))
+    p.add_argument("--variants", default=",".join(variants))
     p.add_argument("--steps", type=int, default=10, help="timed steps per round")
     p.add_argument("--rounds", type=int, default=3, help="rounds, variants interleaved; the best round counts")
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--skip-cold-start", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def exact_fp32() -> None:
+    """Every variant at exact fp32: CPU and tpu matmuls at "highest"."""
     warnings.filterwarnings("ignore", message="tpu matmul precision")
     torch.set_float32_matmul_precision("highest")
     torch.tpu.set_float32_matmul_precision("highest")
 
+
+def main(argv: list[str] | None = None) -> None:
+    p = timing_arguments(__doc__.split("\n\n")[0], list(WORKLOADS), VARIANTS)
+    p.add_argument("--skip-cold-start", action="store_true")
+    args = p.parse_args(argv)
+    exact_fp32()
+
     rows = []
     for name in args.workloads.split(","):
-        variants = [Variant(WORKLOADS[name], v, args.warmup) for v in args.variants.split(",")]
-        for _ in range(args.rounds):
-            for v in variants:
-                v.time_round(args.steps)
-        results = {v.name: v.row(args.steps) for v in variants}
-        del variants
-        for variant, r in results.items():
-            print(json.dumps(r), flush=True)
-            if "cpu eager" in results:
-                r["cpu_eager_over_this"] = results["cpu eager"]["ms_per_step"] / r["ms_per_step"]
-            if "tpu strict" in results:
-                r["speedup_vs_strict"] = results["tpu strict"]["ms_per_step"] / r["ms_per_step"]
-            rows.append(r)
+        rows += measure(WORKLOADS[name], args.variants.split(","), args.steps, args.rounds, args.warmup)
     columns = ["workload", "variant", "ms_per_step", "rounds_ms", "cpu_eager_over_this", "speedup_vs_strict",
                "peak_tpu_mib_over_resident", "graphs_per_step", "ops_per_graph", "compiled_share"]
     table = report.markdown_table(rows, columns)
@@ -246,7 +267,6 @@ def main(argv: list[str] | None = None) -> None:
         table += report.markdown_table(starts, ["start", "first_step_s", "graphs_compiled", "local_hits"])
     print(table)
     report.write("eager_modes", {"steps": args.steps, "rows": rows, "starts": starts}, table)
-
 
 if __name__ == "__main__":
     main()

@@ -18,6 +18,7 @@ from sparsecore.preprocess import PartitionStats, PreprocessedBatch, Preprocesso
 from sparsecore.stacking import StackSpec, TablePlacement, plan_stacks
 from sparsecore.pipeline import TrainPipeline
 from sparsecore import debug_checks  # noqa: F401  (registers the kernels' Debug-mode checks)
+from sparsecore import stablehlo  # noqa: F401  (registers the kernels' StableHLO export)
 
 def preprocess(features, module) -> PreprocessedBatch:
     """Host preprocessing of a KJT for a SparseCore module, ready for its forward."""

@@ -20,7 +20,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from sparsecore.config import SparseCoreEmbeddingConfig, TorchRecConfig, as_sparsecore_config
 from sparsecore.errors import InputError
-from sparsecore.executor import Pending, completed, executor_for, run_on
+from sparsecore.executor import Pending, Resolved, completed, executor_for, run_on
 from sparsecore.fused import exchanged_update, fused_lookup, fused_update, placeholder, trained_rows
 from sparsecore.fused_optimizer import FusedOptimizer, StepCount, TableState
 from sparsecore.kernels import lookup
@@ -227,7 +227,9 @@ class SparseCoreCollection(nn.Module):
 
     def preprocess(self, features: KeyedJaggedTensor) -> PreprocessedBatch:
         device = self._device if self._device.type != "meta" else torch.device("cpu")
-        return preprocess_stacks(features, self._stacks, allow_id_dropping=self._allow_id_dropping, device=device)
+        batch = preprocess_stacks(features, self._stacks, allow_id_dropping=self._allow_id_dropping, device=device)
+        self._observe(batch)
+        return batch
 
     def preprocessor(self) -> Preprocessor:
         """What a data loader needs to preprocess ahead for this module (host buffers; the
@@ -247,9 +249,10 @@ class SparseCoreCollection(nn.Module):
             return lookup(weight, *args)
         if stack.name in self._row_exchanges:
             return trained_rows(self._placeholder, lookup(weight, *args), self._update_of(stack, args))
+        # A compiled graph's backward has no executor order to keep: its updates run inline.
+        deferred = self._defers_updates and not torch.compiler.is_compiling()
         return fused_lookup(self._placeholder, weight, list(self._optimizer_state[stack.name].values()),
-                            self._steps[stack.name], self._hyper, *args, self._optimizer.kernel_code,
-                            self._defers_updates)
+                            self._steps[stack.name], self._hyper, *args, self._optimizer.kernel_code, deferred)
 
     def _update_of(self, stack: StackSpec, coo: tuple, hyper: torch.Tensor | None = None,
                    deferred: bool | None = None) -> Callable[[torch.Tensor], None]:
@@ -264,12 +267,20 @@ class SparseCoreCollection(nn.Module):
         return functools.partial(fused_update, *state, self._defers_updates if deferred is None else deferred)
 
     def _batch_of(self, features: KeyedJaggedTensor | PreprocessedBatch) -> PreprocessedBatch:
-        batch = features if isinstance(features, PreprocessedBatch) else self.preprocess(features)
+        if not isinstance(features, PreprocessedBatch):
+            return self.preprocess(features)
+        # A traced step leaves this to preprocess (outside the graph): a Python record
+        # read in the graph would be guarded on, and every new maximum would recompile.
+        if not torch.compiler.is_compiling():
+            self._observe(features)
+        return features
+
+    def _observe(self, batch: PreprocessedBatch) -> None:
+        """Folds a batch's partition statistics into observed_limits."""
         for name, stats in batch.stats.items():
             ids, unique = self._observed.get(name, (0, 0))
             self._observed[name] = (max(ids, stats.max_ids_per_partition),
                                     max(unique, stats.max_unique_ids_per_partition))
-        return batch
 
     def observed_limits(self) -> dict[str, dict[str, int]]:
         """Per table, the most ids and distinct ids any SparseCore partition carried in a
@@ -341,14 +352,17 @@ class SparseCoreCollection(nn.Module):
         pending = self._take_prefetched(features)
         return pending.result() if pending is not None else self._assemble(*self._lookup_all(features))
 
-    def forward_async(self, features: KeyedJaggedTensor | PreprocessedBatch) -> Pending:
+    def forward_async(self, features: KeyedJaggedTensor | PreprocessedBatch) -> Pending | Resolved:
         """Runs forward's preprocessing and lookups on the device's SparseCore executor.
 
         Returns a Future-like ``Pending`` of what forward returns; TensorCore work
         issued meanwhile overlaps it. Its ``result()``, in the calling thread, joins
         the rows to the autograd graph (under that thread's grad mode). Off the tpu
-        there is no SparseCore stream: the lookups run at once.
+        there is no SparseCore stream: the lookups run at once. Under ``torch.compile``
+        too: they are traced into the step's graph (and its updates run inline).
         """
+        if torch.compiler.is_compiling():
+            return Resolved(self.forward(features))
         pending = self._take_prefetched(features)
         if pending is not None:
             return pending

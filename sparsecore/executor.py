@@ -81,6 +81,20 @@ class Pending:
         return self._value
 
 
+class Resolved:
+    """A ``Pending`` whose value is already there: what a traced (``torch.compile``) step gets,
+    whose lookups are ops of its graph rather than work handed to the executor's thread."""
+
+    def __init__(self, value: Any) -> None:
+        self._value = value
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self._value
+
+
 def completed(value: Any) -> concurrent.futures.Future:
     """A Future that is already done with ``value``."""
     done: concurrent.futures.Future = concurrent.futures.Future()

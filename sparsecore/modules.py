@@ -44,6 +44,11 @@ class SparseCoreEmbeddingBagCollection(SparseCoreCollection):
     _weight_prefix = "embedding_bags"
     _pooled = True
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # Now, not at the first forward: a traced step that set it would be recompiled.
+        self._column_order  # noqa: B018
+
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return [t.config for t in self._configs]
 
@@ -80,19 +85,17 @@ class SparseCoreEmbeddingBagCollection(SparseCoreCollection):
         """The stacked blocks' column of each of TorchRec's columns (the inverse of ``_column_order``)."""
         return torch.argsort(self._column_order)
 
-    @property
+    @functools.cached_property
     def _column_order(self) -> torch.Tensor | None:
         """Columns of the stacked blocks in TorchRec's feature order; None when they already are."""
-        if not hasattr(self, "_columns"):
-            offsets, start = {}, 0
-            for s in self._stacks:
-                for f in s.feature_names:
-                    offsets[f] = (start, s.embedding_dim)
-                    start += s.embedding_dim
-            order = [c for t in self._configs for f in t.feature_names
-                     for c in range(offsets[f][0], offsets[f][0] + offsets[f][1])]
-            self._columns = None if order == list(range(start)) else torch.tensor(order)
-        return self._columns
+        offsets, start = {}, 0
+        for s in self._stacks:
+            for f in s.feature_names:
+                offsets[f] = (start, s.embedding_dim)
+                start += s.embedding_dim
+        order = [c for t in self._configs for f in t.feature_names
+                 for c in range(offsets[f][0], offsets[f][0] + offsets[f][1])]
+        return None if order == list(range(start)) else torch.tensor(order)
 
 
 class SparseCoreEmbeddingCollection(SparseCoreCollection):

@@ -41,6 +41,9 @@ from sparsecore.stacking import StackSpec
 ALIGNMENT = 8
 """Every owner group of a receiver's buffer starts at a multiple of this."""
 
+WIDTHS_PER_OCTAVE = 8
+"""Buffer widths are rounded up to one of this many steps per power of two (see bucket_width)."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PartitionStats:
@@ -94,6 +97,11 @@ class PreprocessedBatch:
     @property
     def stats(self) -> dict[str, PartitionStats]:
         return {name: s.stats for name, s in self.stacks.items()}
+
+
+# Pytree nodes, so that torch.export (torch_tpu.export_stablehlo) takes a batch as an input.
+for _batch_class in (PartitionStats, StackBatch, PreprocessedBatch):
+    torch.export.register_dataclass(_batch_class, serialized_type_name=f"sparsecore.{_batch_class.__name__}")
 
 
 def _feature_tables(stacks: Sequence[StackSpec]) -> dict[str, tuple[StackSpec, str]]:
@@ -329,6 +337,28 @@ class Preprocessor:
         return preprocess_stacks(kjt, self.stacks, allow_id_dropping=self.allow_id_dropping, device="cpu")
 
 
+def bucket_width(width: int) -> int:
+    """The buffer width that ``width`` entries per receiver are padded to: the next of
+    WIDTHS_PER_OCTAVE geometric steps per power of two (a multiple of ALIGNMENT). Batches
+    then share a few shapes, so a compiled step meets the same shapes again instead of a
+    new one per batch (static shapes, as a TPU's infeed), for at most 1/8 more padding,
+    which the kernels never visit (they walk the row pointers' groups)."""
+    if width <= ALIGNMENT * WIDTHS_PER_OCTAVE:
+        return -(-width // ALIGNMENT) * ALIGNMENT
+    step = (1 << ((width - 1).bit_length() - 1)) // WIDTHS_PER_OCTAVE
+    return -(-width // step) * step
+
+
+def _padded(batch: StackBatch) -> StackBatch:
+    extra = bucket_width(batch.embedding_ids.shape[1]) - batch.embedding_ids.shape[1]
+    if extra == 0:
+        return batch
+    pad = torch.nn.functional.pad
+    return dataclasses.replace(batch, embedding_ids=pad(batch.embedding_ids, (0, extra), value=0),
+                               sample_ids=pad(batch.sample_ids, (0, extra), value=-1),
+                               gains=pad(batch.gains, (0, extra), value=0.0))
+
+
 def preprocess_stacks(
     kjt: KeyedJaggedTensor, stacks: Sequence[StackSpec], *, allow_id_dropping: bool = False,
     device: torch.device | str = "cpu",
@@ -336,5 +366,6 @@ def preprocess_stacks(
     """KJT -> COO buffers for every stack (pooled stacks' buffers on ``device``, as a TPU's infeed)."""
     view = _view_kjt(kjt, stacks)
     lengths: dict[str, torch.Tensor] = {}
-    built = {s.name: _preprocess_stack(s, view, allow_id_dropping, lengths, torch.device(device)) for s in stacks}
+    built = {s.name: _padded(_preprocess_stack(s, view, allow_id_dropping, lengths, torch.device(device)))
+             for s in stacks}
     return PreprocessedBatch(batch_size=view.batch_size, stacks=built, lengths=lengths)

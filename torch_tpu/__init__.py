@@ -33,5 +33,17 @@ if _AVAILABLE:
 
         warnings.warn(f"torch_tpu: {_error}", RuntimeWarning, stacklevel=2)
 
-__all__ = ["EagerMode", "eager_mode", "get_eager_mode", "get_nan_check", "is_available", "set_eager_mode",
-           "set_nan_check"]
+
+
+def __getattr__(name: str):
+    # Loaded on first use: the export stack (torch.export) is not needed to run models.
+    if name in ("export_stablehlo", "stablehlo"):
+        import importlib
+
+        stablehlo = importlib.import_module("torch_tpu.stablehlo")
+        return stablehlo if name == "stablehlo" else stablehlo.export_stablehlo
+    raise AttributeError(f"module 'torch_tpu' has no attribute {name!r}")
+
+
+__all__ = ["EagerMode", "eager_mode", "export_stablehlo", "get_eager_mode", "get_nan_check", "is_available",
+           "set_eager_mode", "set_nan_check"]

@@ -11,7 +11,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from sparsecore.config import SparseCoreEmbeddingConfig, as_sparsecore_config
 from sparsecore.errors import InputError, PartitionLimitError
-from sparsecore.preprocess import ALIGNMENT, preprocess_stacks
+from sparsecore.preprocess import ALIGNMENT, bucket_width, preprocess_stacks
 from sparsecore.stacking import plan_stacks
 
 
@@ -157,3 +157,15 @@ def test_long_bags_merge_duplicates(bag_length):
         expected[key] = expected.get(key, 0) + 1
     got = {(owner, row): gain for (receiver, owner), entries in entries(batch).items() for row, bag, gain in entries}
     assert got == expected
+
+
+def test_buffer_widths_are_bucketed():
+    """Widths round up to a few shapes (8 steps per power of two, multiples of ALIGNMENT),
+    wasting at most an eighth. (Lookups through padded buffers are what every other test runs.)"""
+    widths = range(1, 5000)
+    buckets = [bucket_width(w) for w in widths]
+    assert all(b >= w and b % ALIGNMENT == 0 for w, b in zip(widths, buckets))
+    assert all(b - w <= max(ALIGNMENT - 1, w // 8) for w, b in zip(widths, buckets))
+    assert buckets == sorted(buckets)
+    assert len(set(b for w, b in zip(widths, buckets) if 1024 < w <= 2048)) == 8
+    assert bucket_width(1025) == 1152 and bucket_width(1152) == 1152 and bucket_width(1153) == 1280
