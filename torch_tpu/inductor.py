@@ -289,14 +289,40 @@ MIN_COMPILED_SEGMENT = 2  # ops: a lone op gains nothing from compiling
 
 
 class _Compiled(torch.nn.Module):
-    """A compiled segment where split_module put its submodule."""
+    """A compiled segment where split_module put its submodule. A submodule with a single
+    output returns it bare, and so does this; the compiled graph returns a list (its op by op
+    alternative, the submodule itself, the bare value)."""
 
-    def __init__(self, runner: Callable[..., Any]) -> None:
+    def __init__(self, runner: Callable[..., Any], single_output: bool) -> None:
         super().__init__()
         self.runner = runner
+        self.single_output = single_output
 
     def forward(self, *args: Any) -> Any:
-        return self.runner(*args)
+        outputs = self.runner(*args)
+        return outputs[0] if self.single_output and isinstance(outputs, (list, tuple)) else outputs
+
+
+def reinplace_mutating_ops(gm: torch.fx.GraphModule) -> None:
+    """Functionalized in-place custom ops (``auto_functionalized``: clone the inputs the op
+    mutates, run it on the clones, copy the results back into the inputs at the end) become
+    the in-place op itself wherever nothing reads the old values, as Inductor's post-grad
+    passes do for the graphs it compiles. Run op by op they would otherwise copy every
+    mutated input twice per call: for SparseCore's fused update, whole tables."""
+    functionalized = (torch.ops.higher_order.auto_functionalized, torch.ops.higher_order.auto_functionalized_v2)
+    if not any(n.target in functionalized for n in gm.graph.nodes):
+        return
+    from torch._inductor.fx_passes.post_grad import decompose_auto_functionalized
+    from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops
+    from torch._inductor.fx_utils import FakeTensorUpdater
+
+    reinplace_inplaceable_ops(FakeTensorUpdater(gm), gm.graph)
+    decompose_auto_functionalized(gm.graph)
+    for node in list(gm.graph.nodes):  # the copy-back epilogue, now from each input to itself
+        if node.target is torch.ops.aten.copy_.default and node.args[0] is node.args[1] and not node.users:
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
 
 
 def compile_around(gm: torch.fx.GraphModule, choose: bool = True) -> torch.fx.GraphModule | None:
@@ -306,6 +332,7 @@ def compile_around(gm: torch.fx.GraphModule, choose: bool = True) -> torch.fx.Gr
     is worth compiling."""
     from torch.fx.passes.split_module import split_module
 
+    reinplace_mutating_ops(gm)
     partition: dict[torch.fx.Node, int] = {}
     compilable: dict[int, int] = {}  # partition -> its ops, for the compilable ones
     current, previous_ok = 0, None
@@ -329,5 +356,6 @@ def compile_around(gm: torch.fx.GraphModule, choose: bool = True) -> torch.fx.Gr
         examples = [n.meta.get("val") for n in sub.graph.nodes if n.op == "placeholder"]
         if any(not isinstance(v, torch.Tensor) for v in examples):
             continue  # an input whose value tracing did not record: leave the segment op by op
-        setattr(split, name, _Compiled(compile_graph(sub, examples, choose=choose)))
+        single = not isinstance(sub.graph.output_node().args[0], (tuple, list))
+        setattr(split, name, _Compiled(compile_graph(sub, examples, choose=choose), single))
     return split
