@@ -268,5 +268,6 @@ def main(argv: list[str] | None = None) -> None:
     print(table)
     report.write("eager_modes", {"steps": args.steps, "rows": rows, "starts": starts}, table)
 
+
 if __name__ == "__main__":
     main()

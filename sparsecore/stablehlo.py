@@ -20,4 +20,3 @@ def _lookup(cx: LoweringContext, weight: Value, row_pointers: Value, embedding_i
             gains: Value, num_bags: int, batch_size: int) -> Value:
     return cx.custom_call(TARGET, [weight, row_pointers, embedding_ids, sample_ids, gains],
                           {"num_bags": num_bags, "batch_size": batch_size})
-

@@ -34,7 +34,6 @@ if _AVAILABLE:
         warnings.warn(f"torch_tpu: {_error}", RuntimeWarning, stacklevel=2)
 
 
-
 def __getattr__(name: str):
     # Loaded on first use: the export stack (torch.export) is not needed to run models.
     if name in ("export_stablehlo", "stablehlo"):
