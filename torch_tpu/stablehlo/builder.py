@@ -126,15 +126,6 @@ class Builder:
         t = TensorType(tuple(shape), dtype)
         return self.op("stablehlo.constant", [], t, {"value": f"dense<{literal(value, dtype)}> : {t}"})
 
-    def dense_constant(self, tensor: torch.Tensor) -> Value:
-        """A constant holding ``tensor``'s elements (small tensors: index tables and the like)."""
-        flat = tensor.detach().cpu().reshape(-1).tolist()
-        if flat and all(x == flat[0] for x in flat):
-            return self.constant(flat[0], tensor.dtype, tensor.shape)
-        t = TensorType((len(flat),), tensor.dtype)
-        body = ", ".join(literal(x, tensor.dtype) for x in flat)
-        return self.reshape(self.op("stablehlo.constant", [], t, {"value": f"dense<[{body}]> : {t}"}), tensor.shape)
-
     def convert(self, value: Value, dtype: torch.dtype) -> Value:
         if value.dtype == dtype:
             return value
