@@ -49,8 +49,6 @@ from benchmarks.eager_modes import Workload, capturable, exact_fp32, measure, ti
 from torch_tpu.inductor import ChoosingRunner
 
 if TYPE_CHECKING:  # the DLRM stack (torchrec) loads only when its workload runs
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
     from data.loader import Batch
     from data.synthetic import SyntheticCriteo
     from models.train import TrainConfig
@@ -60,9 +58,9 @@ BATCHES = 4
 """Preprocessed batches the DLRM steps cycle over."""
 ROW_CAP = 100_000
 DIM = 64
-DLRM_MIN_WARMUP = 1 + 2 * (ChoosingRunner.TRIALS + 1)
+DLRM_MIN_WARMUP = 1 + ChoosingRunner.CALLS_TO_CHOOSE
 """The first step compiles; each of the step's graphs then alternates compiled and op by op
-for 2 x (TRIALS + 1) calls before it keeps the faster. (New batches do not recompile: their
+for ChoosingRunner.CALLS_TO_CHOOSE calls before it keeps the faster. (New batches do not recompile: their
 COO buffers share bucketed shapes, sparsecore.preprocess.bucket_width.)"""
 SUBJECT = "tpu compiled"
 """The variant the targets are about."""
@@ -92,17 +90,6 @@ def dlrm_source() -> SyntheticCriteo:
                                            planted=False, seed=cfg.seed))
 
 
-@functools.cache
-def dlrm_raw_batches() -> list[tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]]:
-    """(dense, KJT, labels) on the host for each batch."""
-    source = dlrm_source()
-    out = []
-    for i in range(BATCHES):
-        samples = source.rows(i * BATCH, (i + 1) * BATCH)
-        out.append((torch.from_numpy(samples.dense), samples.kjt(), torch.from_numpy(samples.labels)))
-    return out
-
-
 def dlrm_model(device: str) -> torch.nn.Module:
     from models.train import Data, build_model
 
@@ -114,11 +101,11 @@ def dlrm_model(device: str) -> torch.nn.Module:
 def dlrm_batches(model: torch.nn.Module, device: str) -> list[Batch]:
     """The batches as the step takes them: dense features and labels on the device, the
     KJT preprocessed on the host by the model's own collection (once, outside the timing)."""
-    from data.loader import Batch
+    from data.loader import BatchLoader
 
-    ebc = model.sparse_arch.embedding_bag_collection
-    return [Batch(dense=dense, sparse=ebc.preprocess(kjt), labels=labels).to(device)
-            for dense, kjt, labels in dlrm_raw_batches()]
+    loader = BatchLoader(dlrm_source(), BATCH, shuffle=False,
+                         preprocessor=model.sparse_arch.embedding_bag_collection.preprocess)
+    return [loader.batch(i).to(device) for i in range(BATCHES)]
 
 
 def dlrm_make_step(workload: Workload, variant: str) -> tuple[Callable[[], None], str]:
@@ -163,11 +150,10 @@ def inductor_gains(rows: list[dict]) -> list[str]:
     """Per workload: how much CPU Inductor wins over CPU eager (ms ratio, > 1 faster)."""
     lines = []
     for workload in dict.fromkeys(r["workload"] for r in rows):
-        compiled = find(rows, workload, "cpu compiled")
-        if compiled is not None and "cpu_eager_over_this" in compiled:
-            eager_ms = compiled["ms_per_step"] * compiled["cpu_eager_over_this"]
+        compiled, eager = find(rows, workload, "cpu compiled"), find(rows, workload, "cpu eager")
+        if compiled is not None and eager is not None:
             lines.append(f"CPU Inductor over CPU eager, {workload}: {compiled['cpu_eager_over_this']:.2f}x "
-                         f"({eager_ms:.2f} -> {compiled['ms_per_step']:.2f} ms/step)")
+                         f"({eager['ms_per_step']:.2f} -> {compiled['ms_per_step']:.2f} ms/step)")
     return lines
 
 
@@ -179,9 +165,9 @@ class Target:
     met: Callable[[float], bool]
 
 
-def targets(workloads: list[str]) -> list[Target]:
+def targets() -> list[Target]:
     out = [Target(f"tpu compiled within 1.1x of CPU Inductor on {w}", w, "over_cpu_inductor", lambda x: x <= 1.1)
-           for w in workloads]
+           for w in WORKLOADS]
     out.append(Target("tpu compiled >= 1.3x Strict on the small-op MLP step", "small_ops_256", "speedup_vs_strict",
                       lambda x: x >= 1.3))
     out.append(Target("tpu compiled never slower than Strict on the DLRM step", "dlrm_train_step",
@@ -192,7 +178,7 @@ def targets(workloads: list[str]) -> list[Target]:
 def check_targets(rows: list[dict]) -> list[dict]:
     """Each target with the subject's measured value and MET / NOT MET (or not measured)."""
     checked = []
-    for t in targets(list(WORKLOADS)):
+    for t in targets():
         row = find(rows, t.workload, SUBJECT)
         value = None if row is None else row.get(t.column)
         verdict = "not measured" if value is None else "MET" if t.met(value) else "NOT MET"
@@ -212,11 +198,12 @@ def main(argv: list[str] | None = None) -> None:
     columns = ["workload", "variant", "ms_per_step", "rounds_ms", "cpu_eager_over_this", "speedup_vs_strict",
                "over_cpu_inductor"]
     checked = check_targets(rows)
-    table = "".join(line + "\n" for line in gains) + ("\n" if gains else "") + report.markdown_table(rows, columns)
+    results = report.markdown_table(rows, columns)
+    table = "".join(line + "\n" for line in gains) + ("\n" if gains else "") + results
     table += "\n\nTargets (tpu compiled):\n\n" + report.markdown_table(checked, ["target", "measured", "verdict"])
     for line in gains:  # first: what a compiler can win on this machine at all
         print(line)
-    print(report.markdown_table(rows, columns))
+    print(results)
     print("\nTargets (tpu compiled):")
     for c in checked:
         measured = "-" if c["measured"] is None else f"{c['measured']:.3f}"

@@ -153,7 +153,7 @@ class Variant:
                 from torch_tpu import defer
 
                 defer.engine().graphs.wait_for_compiles()
-                for _ in range(2 * (ChoosingRunner.TRIALS + 1)):
+                for _ in range(ChoosingRunner.CALLS_TO_CHOOSE):
                     self._step()
                 defer.reset_stats()
 
@@ -193,8 +193,8 @@ class Variant:
 
 COLD_WARM = r"""
 import json, time, torch
-from benchmarks.eager_modes import WORKLOADS, make_step
-torch.tpu.set_float32_matmul_precision("highest")
+from benchmarks.eager_modes import WORKLOADS, exact_fp32, make_step
+exact_fp32()
 step, _ = make_step(WORKLOADS["small_ops_256"], "tpu compiled")
 start = time.perf_counter()
 step(); torch.tpu.synchronize()

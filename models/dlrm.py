@@ -34,7 +34,12 @@ class _SparseCoreForward:
                 sparse_features: KeyedJaggedTensor | PreprocessedBatch) -> torch.Tensor:
         pooled = self.sparse_arch.embedding_bag_collection.forward_async(sparse_features)
         embedded_dense = self.dense_arch(dense_features)
-        embedded_sparse = pooled.result().values().view(-1, self.sparse_arch.F, self.sparse_arch.D)
+        return self.forward_from_pooled(embedded_dense, pooled.result().values())
+
+    def forward_from_pooled(self, embedded_dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        """The step after the lookup: interaction and over arch, given the dense arch's output and
+        the pooled embeddings (B, F x D) (e.g. looked up elsewhere, as an XLA export's caller does)."""
+        embedded_sparse = pooled.view(-1, self.sparse_arch.F, self.sparse_arch.D)
         interacted = self.inter_arch(dense_features=embedded_dense, sparse_features=embedded_sparse)
         return self.over_arch(interacted)
 

@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 import torch_tpu
-import torch_tpu.defer
 from torchrec import EmbeddingBagConfig
 from tqdm import tqdm
 
@@ -469,7 +468,9 @@ class Trainer:
         if self.device.type == "tpu":
             summary["peak_tpu_memory_bytes"] = torch.tpu.max_memory_allocated(self.device)
             if torch_tpu.get_eager_mode() is torch_tpu.EagerMode.DEFER_AND_FUSE and self.step:
-                s = torch_tpu.defer.stats()
+                from torch_tpu import defer  # imported only when the mode is on
+
+                s = defer.stats()
                 summary["defer_and_fuse"] = {"graphs_per_step": s.graphs / self.step,
                                              "ops_per_graph": s.ops_per_graph(),
                                              "compiled_share": s.compiled_runs / max(s.graphs, 1),

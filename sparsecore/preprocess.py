@@ -42,7 +42,8 @@ ALIGNMENT = 8
 """Every owner group of a receiver's buffer starts at a multiple of this."""
 
 WIDTHS_PER_OCTAVE = 8
-"""Buffer widths are rounded up to one of this many steps per power of two (see bucket_width)."""
+"""Buffer widths are rounded up to one of this many steps per power of two (see bucket_width;
+csrc/Layout.h has the same rule for the pooled stacks' C++ pass)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -214,13 +215,25 @@ def _apply_limits(stack: StackSpec, partition: torch.Tensor, row: torch.Tensor, 
     )
 
 
+def bucket_width(width: int) -> int:
+    """The buffer width that ``width`` entries per receiver are padded to: the next of
+    WIDTHS_PER_OCTAVE geometric steps per power of two (a multiple of ALIGNMENT). Batches
+    then share a few shapes, so a compiled step meets the same shapes again instead of a
+    new one per batch (static shapes, as a TPU's infeed), for at most 1/8 more padding,
+    which the kernels never visit (they walk the row pointers' groups)."""
+    if width <= ALIGNMENT * WIDTHS_PER_OCTAVE:
+        return -(-width // ALIGNMENT) * ALIGNMENT
+    step = (1 << ((width - 1).bit_length() - 1)) // WIDTHS_PER_OCTAVE
+    return -(-width // step) * step
+
+
 def _layout(partition, row, bag, gain, n: int):
     """CSR-wrapped COO buffers from entries sorted by (receiver, owner), each partition in bag order."""
     counts = torch.bincount(partition, minlength=n * n).view(n, n)
     padded = -(-counts // ALIGNMENT) * ALIGNMENT
     starts = torch.cumsum(padded, 1) - padded  # group starts within each receiver
     row_pointers = (starts + counts).to(torch.int32)
-    width = int(padded.sum(1).max()) if counts.numel() else 0
+    width = bucket_width(int(padded.sum(1).max()) if counts.numel() else 0)
     embedding_ids = torch.zeros(n, width, dtype=torch.int32)
     sample_ids = torch.full((n, width), -1, dtype=torch.int32)
     gains = torch.zeros(n, width, dtype=torch.float32)
@@ -337,28 +350,6 @@ class Preprocessor:
         return preprocess_stacks(kjt, self.stacks, allow_id_dropping=self.allow_id_dropping, device="cpu")
 
 
-def bucket_width(width: int) -> int:
-    """The buffer width that ``width`` entries per receiver are padded to: the next of
-    WIDTHS_PER_OCTAVE geometric steps per power of two (a multiple of ALIGNMENT). Batches
-    then share a few shapes, so a compiled step meets the same shapes again instead of a
-    new one per batch (static shapes, as a TPU's infeed), for at most 1/8 more padding,
-    which the kernels never visit (they walk the row pointers' groups)."""
-    if width <= ALIGNMENT * WIDTHS_PER_OCTAVE:
-        return -(-width // ALIGNMENT) * ALIGNMENT
-    step = (1 << ((width - 1).bit_length() - 1)) // WIDTHS_PER_OCTAVE
-    return -(-width // step) * step
-
-
-def _padded(batch: StackBatch) -> StackBatch:
-    extra = bucket_width(batch.embedding_ids.shape[1]) - batch.embedding_ids.shape[1]
-    if extra == 0:
-        return batch
-    pad = torch.nn.functional.pad
-    return dataclasses.replace(batch, embedding_ids=pad(batch.embedding_ids, (0, extra), value=0),
-                               sample_ids=pad(batch.sample_ids, (0, extra), value=-1),
-                               gains=pad(batch.gains, (0, extra), value=0.0))
-
-
 def preprocess_stacks(
     kjt: KeyedJaggedTensor, stacks: Sequence[StackSpec], *, allow_id_dropping: bool = False,
     device: torch.device | str = "cpu",
@@ -366,6 +357,5 @@ def preprocess_stacks(
     """KJT -> COO buffers for every stack (pooled stacks' buffers on ``device``, as a TPU's infeed)."""
     view = _view_kjt(kjt, stacks)
     lengths: dict[str, torch.Tensor] = {}
-    built = {s.name: _padded(_preprocess_stack(s, view, allow_id_dropping, lengths, torch.device(device)))
-             for s in stacks}
+    built = {s.name: _preprocess_stack(s, view, allow_id_dropping, lengths, torch.device(device)) for s in stacks}
     return PreprocessedBatch(batch_size=view.batch_size, stacks=built, lengths=lengths)

@@ -239,10 +239,11 @@ MIB = 1 << 20
 SYNC_RUNS = 4
 
 
-def deferred_runs(fn, runs: int) -> list[tuple]:
-    """fn() under DeferAndFuse `runs` times, each in its own block: [(its result, whether it ran compiled)]."""
+def deferred_runs(fn, compile_mode: str) -> list[tuple]:
+    """fn() under DeferAndFuse, each run in its own block (SYNC_RUNS of them when compiles are
+    synchronous, so that one runs compiled; else one): [(its result, whether it ran compiled)]."""
     results = []
-    for _ in range(runs):
+    for _ in range(SYNC_RUNS if compile_mode == "sync" else 1):
         before = defer.stats().compiled_runs
         with deferring():
             out = fn()
@@ -283,7 +284,7 @@ def test_dead_intermediates_are_never_allocated(compile_mode, monkeypatch):
     x = torch.randn(MIB, device="tpu")  # 4 MiB
     strict_peak, strict = peak_of_chain(x)
     assert strict_peak >= 2 * 4 * MIB
-    runs = deferred_runs(lambda: peak_of_chain(x), SYNC_RUNS if compile_mode == "sync" else 1)
+    runs = deferred_runs(lambda: peak_of_chain(x), compile_mode)
     stats = defer.stats()
     assert stats.ops_recorded == 20 * len(runs) and stats.graphs == len(runs), stats
     # Op by op frees each value after its last use; compiled, the chain is one fused kernel.
@@ -310,7 +311,7 @@ def test_matmul_precision_equals_stricts(compile_mode, monkeypatch):
 
     with torch.tpu.precision("medium"):
         strict = f()
-        runs = deferred_runs(f, SYNC_RUNS if compile_mode == "sync" else 1)
+        runs = deferred_runs(f, compile_mode)
     stats = defer.stats()
     assert stats.graphs == len(runs) and stats.ops_recorded == 2 * len(runs), stats
     check_runs(runs, strict, compile_mode, 1e-6)
@@ -333,7 +334,7 @@ def test_matmul_precision_is_the_one_the_op_was_issued_at(compile_mode, monkeypa
             y = torch.relu(a @ b)
         return (y.cpu(),)  # materialized at "highest"
 
-    runs = deferred_runs(f, SYNC_RUNS if compile_mode == "sync" else 1)
+    runs = deferred_runs(f, compile_mode)
     check_runs(runs, strict, compile_mode, 1e-6)
 
 
@@ -504,7 +505,7 @@ def test_autograd_through_deferred_ops_equals_strict(compile_mode, monkeypatch):
         return loss.detach().cpu(), w.grad.cpu()
 
     strict = f()
-    runs = deferred_runs(f, SYNC_RUNS if compile_mode == "sync" else 1)
+    runs = deferred_runs(f, compile_mode)
     assert defer.stats().ops_recorded > 5 * len(runs), defer.stats()
     check_runs(runs, strict, compile_mode, 1e-5)
 

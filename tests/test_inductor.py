@@ -79,6 +79,19 @@ def test_compiled_matmuls_keep_the_tpu_precision():
         torch.testing.assert_close(fn(a.to("tpu"), b.to("tpu")).cpu(), exact, rtol=1e-5, atol=1e-5)
 
 
+def record_splits(patch=setattr) -> list:
+    """Every graph inductor.compile_around splits from now on (None where it compiles nothing);
+    ``patch`` installs the spy (``monkeypatch.setattr`` in a test, plain setattr in a subprocess)."""
+    splits = []
+    compile_around = inductor.compile_around
+    patch(inductor, "compile_around", lambda gm, choose=True: splits.append(compile_around(gm, choose)) or splits[-1])
+    return splits
+
+
+def has_compiled_segment(split) -> bool:
+    return split is not None and any(isinstance(m, inductor._Compiled) for m in split.children())
+
+
 def trace(fn, *args) -> torch.fx.GraphModule:
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -138,7 +151,7 @@ def test_the_runner_keeps_the_faster_variant(faster):
 
     runner = inductor.ChoosingRunner(variant("compiled"), variant("replay"))
     x = torch.zeros(2, device="tpu")
-    for _ in range(2 * (runner.TRIALS + 1)):
+    for _ in range(runner.CALLS_TO_CHOOSE):
         torch.testing.assert_close(runner(x).cpu(), torch.ones(2))
     assert runner.runs_compiled == (faster == "compiled")
     before = dict(calls)

@@ -210,10 +210,7 @@ def test_the_dlrm_dcn_graph_without_the_lookup_runs_on_xla_as_in_eager():
     model, dense, batch = dlrm_dcn()
 
     def after_the_lookup(dense_features, embedded):
-        # DLRM_DCN's forward from the pooled embeddings on (models.dlrm._SparseCoreForward).
-        embedded_sparse = embedded.view(-1, model.sparse_arch.F, model.sparse_arch.D)
-        interacted = model.inter_arch(dense_features=model.dense_arch(dense_features), sparse_features=embedded_sparse)
-        return model.over_arch(interacted)
+        return model.forward_from_pooled(model.dense_arch(dense_features), embedded)
 
     with torch.no_grad(), torch.tpu.precision("highest"):
         expected = model(dense, batch)

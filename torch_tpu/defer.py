@@ -243,11 +243,11 @@ class _Engine:
     # ---- dispatch ----
 
     def dispatch(self, func, args, kwargs):
+        flat = _flat(args, kwargs)
+        if not any(isinstance(a, torch.Tensor) and a.device.type == "tpu" for a in flat) and not any(
+                isinstance(a, torch.device) and a.type == "tpu" for a in flat):
+            return func(*args, **kwargs)  # no tpu memory involved: nothing of the graph's to lock
         with self.lock:
-            flat = _flat(args, kwargs)
-            if not any(isinstance(a, torch.Tensor) and a.device.type == "tpu" for a in flat) and not any(
-                    isinstance(a, torch.device) and a.type == "tpu" for a in flat):
-                return func(*args, **kwargs)  # no tpu memory involved
             try:
                 return self._record(func, args, kwargs, flat)
             except _NotRecordable as why:
@@ -291,9 +291,10 @@ class _Engine:
                 if _storage_id(self_arg) in self.graph.write_storages:
                     return self._record_view_of_written(func, args, kwargs)
                 raise _NotRecordable(None)  # a view of real memory: metadata only, run at once
-        refs_args, refs_kwargs, sig = self._refs(func, args, kwargs)
-        out_metas = self._out_metas(func, args, kwargs, sig)
+        refs_args, refs_kwargs, sig, shapes = self._refs(func, args, kwargs)
+        out_metas = self._out_metas(func, args, kwargs, shapes)
         node = self._add_node(func, refs_args, refs_kwargs, out_metas, sig)
+        device = None if info.is_view else self._device_of(flat)
         outputs = []
         for j, meta in enumerate(out_metas):
             if meta is None:  # an optional output not asked for (convolution_backward's grad_bias, say)
@@ -304,7 +305,7 @@ class _Engine:
                 t = _ops._deferred_alias(args[0], list(shape), list(stride), offset)
                 self._bind(t, ("v", node, j), "view", meta)
             else:
-                t = _ops._deferred_empty(list(shape), list(stride), dtype, self._device_of(flat))
+                t = _ops._deferred_empty(list(shape), list(stride), dtype, device)
                 self._bind(t, ("v", node, j), "base", meta)
             outputs.append(t)
         self._after_record()
@@ -320,27 +321,27 @@ class _Engine:
             raise _NotRecordable
         targets = list(args[0]) if isinstance(args[0], (list, tuple)) else [args[0]]
         g = self.graph
-        for t in targets:
-            if not isinstance(t, torch.Tensor) or t.device.type != "tpu":
-                raise _NotRecordable
-            storage = _storage_id(t)
+        if any(not isinstance(t, torch.Tensor) or t.device.type != "tpu" for t in targets):
+            raise _NotRecordable
+        storages = [_storage_id(t) for t in targets]
+        for t, storage in zip(targets, storages):
             if storage not in g.pending_storages and g.write_storages.get(storage, t._cdata) != t._cdata:
                 raise _NotRecordable  # a second tensor writing the same real memory
             if storage in g.views_of and storage not in g.pending_storages and not _covers_storage(t):
                 raise _NotRecordable
         # Writes to real memory whose every earlier write in the graph ran in
         # place run in place too: no second copy of the tensor, no copy back.
-        in_place = all(_storage_id(t) not in g.pending_storages and self._written_in_place(t) for t in targets)
+        in_place = all(storage not in g.pending_storages and self._written_in_place(t)
+                       for t, storage in zip(targets, storages))
         op = func if in_place else functional
-        refs_args, refs_kwargs, sig = self._refs(op, args, kwargs)
-        out_metas = self._out_metas(functional, args, kwargs, sig)
+        refs_args, refs_kwargs, sig, shapes = self._refs(op, args, kwargs)
+        out_metas = self._out_metas(functional, args, kwargs, shapes)
         if len(out_metas) != len(targets):
             raise _NotRecordable
         node = self._add_node(op, refs_args, refs_kwargs, out_metas, sig)
         if in_place:
             g.in_place.add(node)
-        for j, t in enumerate(targets):
-            storage = _storage_id(t)
+        for j, (t, storage) in enumerate(zip(targets, storages)):
             if storage in g.pending_storages:
                 self._write_pending(t, ("v", node, j))
             else:
@@ -405,29 +406,35 @@ class _Engine:
         return torch.device("tpu", torch.tpu.current_device())
 
     def _refs(self, func, args, kwargs):
-        """args/kwargs with each tensor replaced by its Arg, and the node's
-        signature: the op, its arguments with tensors as (ref, meta)."""
+        """args/kwargs with each tensor replaced by its Arg; the node's signature: the
+        op, its arguments with tensors as (ref, meta); and the arguments with tensors as
+        their metas only, which is all their output metas depend on."""
         sig: list = [func]
+        shapes: list = []
 
         def leaf(x):
             if isinstance(x, torch.Tensor):
                 r, meta = self._ref(x)
                 sig.append((r, meta))
+                shapes.append(meta)
                 return Arg(r)
             sig.append(x)
+            shapes.append(x)
             return x
 
         def conv(x):  # aten nests at most a list inside the arguments
             t = type(x)
             if t is list or t is tuple:
                 sig.append(len(x))
+                shapes.append(len(x))
                 return t([leaf(v) for v in x])
             return leaf(x)
 
         refs_args = [conv(a) for a in args]
         sig.append(tuple(kwargs))
+        shapes.append(tuple(kwargs))
         refs_kwargs = {k: conv(v) for k, v in kwargs.items()}
-        return refs_args, refs_kwargs, tuple(sig)
+        return refs_args, refs_kwargs, tuple(sig), tuple(shapes)
 
     def _ref(self, t: torch.Tensor) -> tuple[_Ref, tuple]:
         """The graph value `t` holds, and t's meta."""
@@ -466,8 +473,9 @@ class _Engine:
         args = [Arg(source), list(shape), list(stride), offset]
         return self._add_node(aten.as_strided.default, args, {}, [meta], (aten.as_strided.default, source, meta))
 
-    def _out_metas(self, func, args, kwargs, sig: tuple) -> list[tuple]:
-        key = sig
+    def _out_metas(self, func, args, kwargs, shapes: tuple) -> list[tuple]:
+        """``func``'s output metas on arguments of these ``shapes`` (see _refs), cached."""
+        key = (func, shapes)
         try:
             cached = self.meta_cache.get(key)
         except TypeError:  # an unhashable argument
@@ -580,7 +588,7 @@ class _Engine:
                     self.stats.compiled_runs += 1
                 else:
                     self.stats.replayed_runs += 1
-                for b, ref, value in zip(targets, outputs, values):
+                for b, value in zip(targets, values):
                     if b.kind == "write" or _ops._fill_deferred(b.tensor, value):
                         _copy_unversioned(b.tensor, value)
                     del value

@@ -90,13 +90,28 @@ def _resolve(x: Any, value) -> Any:
     return x
 
 
-def replay(graph: Any, outputs: list[tuple]) -> list[torch.Tensor]:
+@dataclass(frozen=True)
+class Liveness:
+    """Which values each node reads and the last node to read each: the same for every run
+    of a graph (its key holds its references)."""
+
+    node_refs: list[list[tuple]]
+    last_use: dict[tuple, int]
+
+    @classmethod
+    def of(cls, graph: Any) -> Liveness:
+        node_refs = [arg_refs(args, kwargs) for _, args, kwargs in graph.nodes]
+        last_use: dict[tuple, int] = {}
+        for n, refs in enumerate(node_refs):
+            for r in refs:
+                last_use[r] = n
+        return cls(node_refs, last_use)
+
+
+def replay(graph: Any, outputs: list[tuple], liveness: Liveness | None = None) -> list[torch.Tensor]:
     """The graph's ops run one by one on tpu; values freed after their last use."""
-    node_refs = [arg_refs(args, kwargs) for _, args, kwargs in graph.nodes]
-    last_use: dict[tuple, int] = {}
-    for n, refs in enumerate(node_refs):
-        for r in refs:
-            last_use[r] = n
+    liveness = liveness or Liveness.of(graph)
+    node_refs, last_use = liveness.node_refs, liveness.last_use
     keep = set(outputs)
     env: dict[tuple, torch.Tensor] = {}
     inputs = graph.inputs
@@ -159,7 +174,7 @@ def to_fx(graph: Any, outputs: list[tuple]) -> torch.fx.GraphModule:
 class _Entry:
     runs: int = 0
     runner: Any = None  # the ChoosingRunner once compiled
-    failed: bool = False
+    liveness: Liveness | None = None  # for op by op runs, worked out at the first
     future: concurrent.futures.Future | None = None
 
 
@@ -200,7 +215,9 @@ class GraphCache:
         if entry.runner is not None:
             values = entry.runner(*graph.inputs)
             return list(values), entry.runner.last_ran_compiled
-        return replay(graph, outputs), False
+        if entry.liveness is None:
+            entry.liveness = Liveness.of(graph)
+        return replay(graph, outputs, entry.liveness), False
 
     def _forget_one_offs(self) -> None:
         one_offs = [k for k, e in self.entries.items() if e.runs <= 1]
@@ -231,12 +248,9 @@ class GraphCache:
                 return  # the process is exiting
             logger.warning("DeferAndFuse: a graph of %d ops does not compile (%s): it runs op by op",
                            sum(1 for n in gm.graph.nodes if n.op == "call_function"), error)
-            entry.failed = True
             return
         if isinstance(compiled, inductor.ChoosingRunner):
-            entry.runner = compiled
-        else:
-            entry.failed = True  # cannot keep tpu semantics compiled: op by op
+            entry.runner = compiled  # else: cannot keep tpu semantics compiled, so op by op
 
     def wait_for_compiles(self) -> None:
         """Blocks until the compiles started so far are done (tests, benchmarks)."""

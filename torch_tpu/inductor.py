@@ -217,6 +217,7 @@ class ChoosingRunner:
     """
 
     TRIALS = 3
+    CALLS_TO_CHOOSE = 2 * (TRIALS + 1)  # each variant: a warm-up call, then TRIALS timed
 
     def __init__(self, compiled: Callable[..., Any], replay: Callable[..., Any], name: str = "graph") -> None:
         self.compiled = compiled
@@ -289,9 +290,9 @@ MIN_COMPILED_SEGMENT = 2  # ops: a lone op gains nothing from compiling
 
 
 class _Compiled(torch.nn.Module):
-    """A compiled segment where split_module put its submodule. A submodule with a single
-    output returns it bare, and so does this; the compiled graph returns a list (its op by op
-    alternative, the submodule itself, the bare value)."""
+    """A compiled segment where split_module put its submodule. split_module's caller
+    takes a single output bare; the segment is compiled returning a 1-tuple (as compiled
+    graphs, and so its op by op alternative, return sequences), unwrapped here."""
 
     def __init__(self, runner: Callable[..., Any], single_output: bool) -> None:
         super().__init__()
@@ -300,7 +301,7 @@ class _Compiled(torch.nn.Module):
 
     def forward(self, *args: Any) -> Any:
         outputs = self.runner(*args)
-        return outputs[0] if self.single_output and isinstance(outputs, (list, tuple)) else outputs
+        return outputs[0] if self.single_output else outputs
 
 
 def reinplace_mutating_ops(gm: torch.fx.GraphModule) -> None:
@@ -356,6 +357,10 @@ def compile_around(gm: torch.fx.GraphModule, choose: bool = True) -> torch.fx.Gr
         examples = [n.meta.get("val") for n in sub.graph.nodes if n.op == "placeholder"]
         if any(not isinstance(v, torch.Tensor) for v in examples):
             continue  # an input whose value tracing did not record: leave the segment op by op
-        single = not isinstance(sub.graph.output_node().args[0], (tuple, list))
+        output = sub.graph.output_node()
+        single = not isinstance(output.args[0], (tuple, list))
+        if single:
+            output.args = ((output.args[0],),)
+            sub.recompile()
         setattr(split, name, _Compiled(compile_graph(sub, examples, choose=choose), single))
     return split

@@ -16,6 +16,21 @@ inline int64_t align_up(int64_t x) {
   return (x + kAlignment - 1) / kAlignment * kAlignment;
 }
 
+// The buffer width for a receiver row of x entries: the next of kWidthsPerOctave
+// geometric steps per power of two, a multiple of kAlignment (preprocess.py's
+// bucket_width, which says why).
+constexpr int64_t kWidthsPerOctave = 8;
+
+inline int64_t bucket_width(int64_t x) {
+  if (x <= kAlignment * kWidthsPerOctave) {
+    return align_up(x);
+  }
+  int64_t octave = 1;
+  while (octave * 2 < x) octave *= 2;  // the largest power of two below x
+  const int64_t step = octave / kWidthsPerOctave;
+  return (x + step - 1) / step * step;
+}
+
 // [begin, end) of every (receiver, owner) group in the flat (n x width) buffers, receiver-major.
 inline std::vector<std::pair<int64_t, int64_t>> group_spans(const int32_t* row_pointers, int64_t n, int64_t width) {
   std::vector<std::pair<int64_t, int64_t>> out;

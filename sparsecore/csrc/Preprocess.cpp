@@ -205,6 +205,7 @@ Buffers allocate(const std::vector<int64_t>& totals, int64_t n, std::vector<int6
     }
     width = std::max(width, offset);
   }
+  width = bucket_width(width);
   for (int64_t p = 0; p < n * n; ++p) group_start[p] += (p / n) * width;  // flat offsets
   // Entries overwrite everything but the padding, so only the padding is filled.
   out.embedding_ids = at::empty({n, width}, opts.dtype(at::kInt));

@@ -21,7 +21,7 @@ def step(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def compiled_equals_eager(rank: int, world: int) -> list:
-    from torch_tpu import inductor
+    from tests.test_inductor import has_compiled_segment, record_splits
 
     device = torch.device("tpu", torch.tpu.current_device())
     torch.manual_seed(0)  # the same weights on every rank, inputs of its own
@@ -32,17 +32,14 @@ def compiled_equals_eager(rank: int, world: int) -> list:
     eager = [loss.detach().cpu()] + [p.grad.cpu() for p in layer.parameters()]
     layer.zero_grad()
 
-    splits = []
-    compile_around = inductor.compile_around
-    inductor.compile_around = lambda gm, choose=True: splits.append(compile_around(gm, choose)) or splits[-1]
+    splits = record_splits()
     compiled = torch.compile(step, backend="tpu", fullgraph=True)
     loss = compiled(layer, x)
     loss.backward()
     got = [loss.detach().cpu()] + [p.grad.cpu() for p in layer.parameters()]
     for a, b in zip(got, eager):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert splits and any(s is not None and any(isinstance(m, inductor._Compiled) for m in s.children())
-                          for s in splits)  # dense segments were compiled around the collectives
+    assert any(has_compiled_segment(s) for s in splits)  # dense segments compiled around the collectives
     return [t.tolist() for t in got[:1]]
 
 

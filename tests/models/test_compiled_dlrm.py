@@ -7,8 +7,10 @@ import pytest
 import torch
 
 import sparsecore
+from data.loader import Batch
 from models.dlrm import DLRMTrain
-from tests.models.test_dlrm import batch, build_pair, make_data
+from models.train import dense_parameters
+from tests.models.test_dlrm import BATCH, batch, build_pair, make_data
 
 
 def training_step(model, optimizer, compiled: bool):
@@ -27,9 +29,13 @@ def training_step(model, optimizer, compiled: bool):
     return step
 
 
-class Batch:
-    def __init__(self, dense, sparse, labels):
-        self.dense, self.sparse, self.labels = dense.to("tpu"), sparse, labels.to("tpu")
+def tpu_batches(source, ebc, count: int) -> list[Batch]:
+    """The first ``count`` weighted multi-hot batches, preprocessed by ``ebc``, dense parts on tpu."""
+    out = []
+    for start in range(0, count * BATCH, BATCH):
+        dense, kjt, labels = batch(source, start, weighted=True)
+        out.append(Batch(dense=dense, sparse=ebc.preprocess(kjt), labels=labels).to("tpu"))
+    return out
 
 
 @pytest.mark.parametrize("kind", ["dlrm", "dcn"])
@@ -38,15 +44,10 @@ def test_compiled_training_step_equals_eager(kind):
     runs = {}
     for compiled in (False, True):
         _, model = build_pair(kind, source, optimizer=sparsecore.optim.Adam(lr=0.05), weighted=True)
-        dense_params = [p for n, p in model.named_parameters() if not n.startswith("sparse_arch.")]
-        optimizer = torch.optim.Adam(dense_params, lr=0.01, capturable=True)
+        optimizer = torch.optim.Adam(dense_parameters(model), lr=0.01, capturable=True)
         step = training_step(DLRMTrain(model), optimizer, compiled)
-        ebc = model.sparse_arch.embedding_bag_collection
-        losses = []
         with torch.tpu.precision("highest"):
-            for start in range(0, 3 * 64, 64):
-                dense, kjt, labels = batch(source, start, weighted=True)
-                losses.append(step(Batch(dense, ebc.preprocess(kjt), labels)).cpu())
+            losses = [step(b).cpu() for b in tpu_batches(source, model.sparse_arch.embedding_bag_collection, 3)]
         grads = {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}
         runs[compiled] = losses, grads, {k: v.cpu() for k, v in model.state_dict().items()}
 
@@ -70,13 +71,10 @@ def test_new_batches_do_not_recompile_the_step():
 
     source = make_data(multi_hot=True)
     _, model = build_pair("dcn", source, optimizer=sparsecore.optim.Adagrad(lr=0.05), weighted=True)
-    optimizer = torch.optim.SGD([p for n, p in model.named_parameters() if not n.startswith("sparse_arch.")], lr=0.1)
+    optimizer = torch.optim.SGD(dense_parameters(model), lr=0.1)
     step = training_step(DLRMTrain(model), optimizer, compiled=True)
     ebc = model.sparse_arch.embedding_bag_collection
-    batches = []
-    for start in range(0, 4 * 64, 64):
-        dense, kjt, labels = batch(source, start, weighted=True)
-        batches.append(Batch(dense, ebc.preprocess(kjt), labels))
+    batches = tpu_batches(source, ebc, 4)
     stacks = [b.sparse.stacks for b in batches]
     assert len({sum(int((s.sample_ids >= 0).sum()) for s in batch_stacks.values()) for batch_stacks in stacks}) > 1
     assert len({tuple(s.gains.shape for s in batch_stacks.values()) for batch_stacks in stacks}) == 1

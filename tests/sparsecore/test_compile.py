@@ -9,6 +9,7 @@ import torch
 from sparsecore import optim
 from sparsecore.modules import SparseCoreEmbeddingBagCollection
 from tests.sparsecore.test_modules import TABLES, random_kjt
+from tests.test_inductor import has_compiled_segment, record_splits
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "tpu"])
@@ -51,12 +52,7 @@ def test_the_tpu_backend_compiles_the_dense_part_around_the_engine(monkeypatch):
     """fullgraph=True: the SparseCore ops stay in the graph and run as they are;
     the dense ops on either side of them are compiled (in both the forward and
     the backward graph), and training equals eager."""
-    from torch_tpu import inductor
-
-    splits = []
-    compile_around = inductor.compile_around
-    monkeypatch.setattr(inductor, "compile_around",
-                        lambda gm, choose=True: splits.append(compile_around(gm, choose)) or splits[-1])
+    splits = record_splits(monkeypatch.setattr)
     torch.manual_seed(0)
     eager = EmbeddingAndMLP()
     compiled_module = EmbeddingAndMLP()
@@ -73,8 +69,7 @@ def test_the_tpu_backend_compiles_the_dense_part_around_the_engine(monkeypatch):
     for key, value in eager.state_dict().items():
         torch.testing.assert_close(compiled_module.state_dict()[key], value, rtol=1e-4, atol=1e-5)
     assert len(splits) >= 2, splits  # the forward and the backward graph, each split around the engine
-    for split in splits:
-        assert any(isinstance(m, inductor._Compiled) for m in split.children()), split
+    assert all(has_compiled_segment(split) for split in splits), splits
 
 
 def test_a_compiled_step_updates_tables_in_place_without_copying_them():

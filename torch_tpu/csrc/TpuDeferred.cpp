@@ -6,6 +6,7 @@
 #include "TpuAllocator.h"
 #include "TpuDevice.h"
 #include "TpuHost.h"
+#include "TpuStorage.h"
 
 #include <ATen/EmptyTensor.h>
 #include <c10/core/TensorImpl.h>
@@ -16,23 +17,13 @@ namespace {
 
 at::Tensor deferred_empty(c10::IntArrayRef size, c10::IntArrayRef stride, c10::ScalarType dtype,
                           c10::Device device) {
-  TORCH_CHECK(device.type() == c10::DeviceType::PrivateUse1, "deferred tensors are tpu tensors, got ", device);
-  const auto index = resolve(device.has_index() ? device.index() : current_device());
+  const auto index = resolve(index_of(device));
   c10::Storage storage(c10::Storage::use_byte_size_t(), 0,
                        c10::DataPtr(nullptr, c10::Device(c10::DeviceType::PrivateUse1, index)), &tpu_allocator(),
                        /*resizable=*/true);
   auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
                                                    c10::scalarTypeToTypeMeta(dtype));
   impl->set_sizes_and_strides(size, stride, 0);
-  return at::Tensor(std::move(impl));
-}
-
-// A deferred view: the base's (empty) storage with the view's geometry, so it
-// sees the base's memory once that is filled.
-at::Tensor deferred_alias(const at::Tensor& base, c10::IntArrayRef size, c10::IntArrayRef stride, int64_t offset) {
-  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(base.storage()),
-                                                   base.key_set(), base.dtype());
-  impl->set_sizes_and_strides(size, stride, offset);
   return at::Tensor(std::move(impl));
 }
 
@@ -60,10 +51,8 @@ bool fill_deferred(const at::Tensor& self, const at::Tensor& value) {
     source->set_nbytes(0);
     return false;
   }
-  const size_t nbytes = at::detail::computeStorageNbytes(self.sizes(), self.strides(), self.dtype().itemsize(),
-                                                         self.storage_offset());
-  storage->set_data_ptr_noswap(tpu_allocator().allocate_on(nbytes, self.device().index()));
-  storage->set_nbytes(nbytes);
+  grow_storage(self, at::detail::computeStorageNbytes(self.sizes(), self.strides(), self.dtype().itemsize(),
+                                                      self.storage_offset()));
   return true;
 }
 
@@ -76,9 +65,11 @@ std::vector<int64_t> holders(const at::Tensor& self) {
 
 TORCH_LIBRARY_FRAGMENT(torch_tpu, m) {
   m.def("_deferred_empty(int[] size, int[] stride, ScalarType dtype, Device device) -> Tensor", deferred_empty);
-  m.def("_deferred_alias(Tensor base, int[] size, int[] stride, int offset) -> Tensor", deferred_alias);
+  // A deferred view: the base's (empty) storage with the view's geometry, so it sees the
+  // base's memory once that is filled.
+  m.def("_deferred_alias(Tensor base, int[] size, int[] stride, int offset) -> Tensor", alias_with);
   m.def("_fill_deferred(Tensor self, Tensor value) -> bool", fill_deferred);
-  m.def("_is_deferred(Tensor self) -> bool", [](const at::Tensor& self) { return is_deferred(self); });
+  m.def("_is_deferred(Tensor self) -> bool", is_deferred);
   m.def("_holders(Tensor self) -> int[]", holders);
 }
 

@@ -1,6 +1,7 @@
 // Kernels every backend must provide itself: allocation, metadata-only views,
 // resizing, storage swaps, cross-device copies and reading a scalar.
 
+#include "TpuStorage.h"
 #include "TpuHost.h"
 
 #include <ATen/EmptyTensor.h>
@@ -13,9 +14,8 @@
 #include <cstring>
 
 namespace torch_tpu {
-namespace {
 
-constexpr auto kTpuKeys = c10::DispatchKeySet(c10::DispatchKey::PrivateUse1);
+// Shared with the other tpu kernels (TpuStorage.h).
 
 c10::DeviceIndex index_of(std::optional<c10::Device> device) {
   if (device.has_value()) {
@@ -28,6 +28,32 @@ c10::DeviceIndex index_of(std::optional<c10::Device> device) {
   }
   return current_device();
 }
+
+at::Tensor alias_with(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride,
+                      int64_t storage_offset) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      c10::TensorImpl::VIEW, c10::Storage(self.storage()), self.key_set(), self.dtype());
+  impl->set_sizes_and_strides(size, stride, storage_offset);
+  return at::Tensor(std::move(impl));
+}
+
+void grow_storage(const at::Tensor& self, size_t nbytes) {
+  auto* storage = self.storage().unsafeGetStorageImpl();
+  if (nbytes <= storage->nbytes()) {
+    return;
+  }
+  TORCH_CHECK(storage->resizable(), "Trying to resize a tpu storage that is not resizable");
+  auto fresh = tpu_allocator().allocate_on(nbytes, self.device().index());
+  if (storage->nbytes()) {
+    std::memcpy(fresh.get(), storage->data(), storage->nbytes());
+  }
+  storage->set_data_ptr_noswap(std::move(fresh));
+  storage->set_nbytes(nbytes);
+}
+
+namespace {
+
+constexpr auto kTpuKeys = c10::DispatchKeySet(c10::DispatchKey::PrivateUse1);
 
 at::Tensor empty_memory_format(
     c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
@@ -47,14 +73,6 @@ at::Tensor empty_strided(
   DeviceScope scope(index_of(device));
   return at::detail::empty_strided_generic(
       size, stride, &tpu_allocator(), kTpuKeys, c10::dtype_or_default(dtype));
-}
-
-at::Tensor alias_with(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride,
-                      int64_t storage_offset) {
-  auto impl = c10::make_intrusive<c10::TensorImpl>(
-      c10::TensorImpl::VIEW, c10::Storage(self.storage()), self.key_set(), self.dtype());
-  impl->set_sizes_and_strides(size, stride, storage_offset);
-  return at::Tensor(std::move(impl));
 }
 
 at::Tensor as_strided(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride,
@@ -80,20 +98,6 @@ at::Tensor view(const at::Tensor& self, c10::IntArrayRef size) {
 
 at::Tensor reshape_alias(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride) {
   return alias_with(self, size, stride, self.storage_offset());
-}
-
-void grow_storage(const at::Tensor& self, size_t nbytes) {
-  auto* storage = self.storage().unsafeGetStorageImpl();
-  if (nbytes <= storage->nbytes()) {
-    return;
-  }
-  TORCH_CHECK(storage->resizable(), "Trying to resize a tpu storage that is not resizable");
-  auto fresh = tpu_allocator().allocate_on(nbytes, self.device().index());
-  if (storage->nbytes()) {
-    std::memcpy(fresh.get(), storage->data(), storage->nbytes());
-  }
-  storage->set_data_ptr_noswap(std::move(fresh));
-  storage->set_nbytes(nbytes);
 }
 
 const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
