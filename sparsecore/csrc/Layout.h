@@ -5,6 +5,7 @@
 // where group (s, o) ends within the receiver's row of width entries.
 
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -54,5 +55,38 @@ struct OutputRows {
   int64_t slots;
   int64_t operator()(int64_t bag) const { return bag % batch_size * slots + bag / batch_size; }
 };
+
+// A stack's COO buffers as the kernels read them.
+struct Coo {
+  const int32_t* ids;
+  const int32_t* samples;
+  const float* gains;
+  std::vector<std::pair<int64_t, int64_t>> spans;  // group_spans
+  int64_t n;
+  int64_t rows_per_sc;
+  OutputRows row_of;
+};
+
+// Asks for [p, p + bytes) ahead of use (kWrite: it will be written). Random
+// rows come from DRAM, and keeping several requests in flight is what makes a
+// gather fast.
+template <bool kWrite = false>
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(c + offset, kWrite, 0);
+}
+
+// Calls f(std::integral_constant<int64_t, K>{}) with K = dim for the common
+// row widths, else K = 0 (any width): kernels compiled for a known width keep
+// a row in vector registers and unroll its loops.
+template <typename F>
+decltype(auto) with_row_width(int64_t dim, F&& f) {
+  switch (dim) {
+    case 32: return f(std::integral_constant<int64_t, 32>{});
+    case 64: return f(std::integral_constant<int64_t, 64>{});
+    case 128: return f(std::integral_constant<int64_t, 128>{});
+    default: return f(std::integral_constant<int64_t, 0>{});
+  }
+}
 
 } // namespace sparsecore

@@ -32,14 +32,6 @@ namespace {
 constexpr int64_t kPrefetchDistance = 32;
 constexpr int64_t kBagsPerTask = 256;
 
-template <typename scalar_t>
-inline void prefetch_row(const scalar_t* row, int64_t dim) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t offset = 0; offset < dim * static_cast<int64_t>(sizeof(scalar_t)); offset += 64) {
-    __builtin_prefetch(p + offset, 0, 0);
-  }
-}
-
 // A bag's output row, written once. Whole 64-byte lines are streamed past the
 // cache: the rows of a batch are scattered over a large output and are not
 // read again here, so reading each line in before overwriting it (what a
@@ -56,16 +48,6 @@ inline void store_row(float* __restrict dst, const float* __restrict acc, int64_
 #endif
   for (int64_t d = 0; d < dim; ++d) dst[d] = acc[d];
 }
-
-struct Coo {
-  const int32_t* ids;
-  const int32_t* samples;
-  const float* gains;
-  std::vector<std::pair<int64_t, int64_t>> spans;
-  int64_t n;
-  int64_t rows_per_sc;
-  OutputRows row_of;
-};
 
 // kDim > 0: the row width known at compile time, so the accumulator lives in
 // vector registers; kDim == 0: any width, accumulated through memory.
@@ -86,7 +68,7 @@ void lookup_bags(const Coo& coo, const scalar_t* table, int64_t runtime_dim, flo
   for (int64_t o = 0; o < n; ++o) shard[o] = table + o * coo.rows_per_sc * dim;
   for (int64_t g = 0; g < groups; ++g) {
     for (int64_t e = cursor[g]; e < std::min(end[g], cursor[g] + kPrefetchDistance); ++e) {
-      prefetch_row(shard[g % n] + static_cast<int64_t>(coo.ids[e]) * dim, dim);
+      prefetch_bytes(shard[g % n] + static_cast<int64_t>(coo.ids[e]) * dim, dim * sizeof(scalar_t));
     }
   }
   float fixed[kDim > 0 ? kDim : 1];
@@ -102,7 +84,7 @@ void lookup_bags(const Coo& coo, const scalar_t* table, int64_t runtime_dim, flo
       const scalar_t* base = shard[g % n];
       for (; e < stop && coo.samples[e] == bag; ++e) {
         if (e + kPrefetchDistance < stop) {
-          prefetch_row(base + static_cast<int64_t>(coo.ids[e + kPrefetchDistance]) * dim, dim);
+          prefetch_bytes(base + static_cast<int64_t>(coo.ids[e + kPrefetchDistance]) * dim, dim * sizeof(scalar_t));
         }
         const scalar_t* row = base + static_cast<int64_t>(coo.ids[e]) * dim;
         const float gain = coo.gains[e];
@@ -137,13 +119,10 @@ at::Tensor lookup(const at::Tensor& weight, const at::Tensor& row_pointers,
   float* op = out.mutable_data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "sparsecore_lookup", [&] {
     const scalar_t* table = weight.const_data_ptr<scalar_t>();
-    at::parallel_for(0, num_bags, kBagsPerTask, [&](int64_t bag_begin, int64_t bag_end) {
-      switch (dim) {
-        case 32: return lookup_bags<scalar_t, 32>(coo, table, dim, op, bag_begin, bag_end);
-        case 64: return lookup_bags<scalar_t, 64>(coo, table, dim, op, bag_begin, bag_end);
-        case 128: return lookup_bags<scalar_t, 128>(coo, table, dim, op, bag_begin, bag_end);
-        default: return lookup_bags<scalar_t, 0>(coo, table, dim, op, bag_begin, bag_end);
-      }
+    with_row_width(dim, [&](auto width) {
+      at::parallel_for(0, num_bags, kBagsPerTask, [&](int64_t bag_begin, int64_t bag_end) {
+        lookup_bags<scalar_t, decltype(width)::value>(coo, table, dim, op, bag_begin, bag_end);
+      });
     });
   });
   return out;

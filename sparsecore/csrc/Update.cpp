@@ -4,9 +4,14 @@
 //
 // Rows of different owners are disjoint, and so are rows in different
 // buckets (row mod k) of one owner: each (owner, bucket) task gathers its
-// entries from every receiver, radix-sorts them by row, and walks the runs:
-// sum a run's gradients, step the optimizer on its row, with the rows ahead
+// entries from every receiver, scattered by range of rows, and sums each
+// range's rows in a small buffer that stays in cache; then it steps the
+// optimizer on every touched row of the range, with the rows ahead
 // prefetched. One parameterised kernel serves every optimizer.
+//
+// Rather than sorting entries by row: a sort moves every entry several times
+// and leaves its sample and gain to be fetched from a random place, while a
+// range's slot map and sums fit in L1 and L2.
 
 #include "Layout.h"
 
@@ -16,6 +21,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <optional>
@@ -25,14 +31,7 @@
 namespace sparsecore {
 namespace {
 
-constexpr size_t kPrefetchDistance = 8;
-
-inline void prefetch(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t offset = 0; offset < bytes; offset += 64) {
-    __builtin_prefetch(c + offset, 1, 0);
-  }
-}
+constexpr int64_t kPrefetchDistance = 16;
 
 enum Optimizer : int64_t { kSGD = 0, kAdagrad = 1, kRowWiseAdagrad = 2, kAdam = 3, kFTRL = 4 };
 
@@ -45,25 +44,33 @@ struct Hyper {
   float lr() const { return p[0]; }
 };
 
-// Sorts (row << 32 | entry) keys by row: LSD radix, 8 bits a pass, only
-// over the bits rows use. Equal rows keep entry order.
-void sort_by_row(std::vector<uint64_t>& keys, std::vector<uint64_t>& scratch, int row_bits) {
-  scratch.resize(keys.size());
-  for (int shift = 32; shift < 32 + row_bits; shift += 8) {
-    size_t count[257] = {0};
-    for (uint64_t k : keys) ++count[((k >> shift) & 0xff) + 1];
-    for (int i = 0; i < 256; ++i) count[i + 1] += count[i];
-    for (uint64_t k : keys) scratch[count[(k >> shift) & 0xff]++] = k;
-    keys.swap(scratch);
+// Sixteen running sums rather than one: a single sum is a chain of dependent
+// adds (four cycles each) that no vector unit can shorten.
+template <int64_t kDim>
+inline float sum_of_squares(const float* g, int64_t runtime_dim) {
+  const int64_t dim = kDim > 0 ? kDim : runtime_dim;
+  constexpr int64_t kLanes = 16;
+  float lanes[kLanes] = {};
+  int64_t d = 0;
+  for (; d + kLanes <= dim; d += kLanes) {
+    for (int64_t k = 0; k < kLanes; ++k) lanes[k] += g[d + k] * g[d + k];
   }
+  if constexpr (kDim % kLanes != 0 || kDim == 0) {
+    for (; d < dim; ++d) lanes[0] += g[d] * g[d];
+  }
+  float total = 0;
+  for (int64_t k = 0; k < kLanes; ++k) total += lanes[k];
+  return total;
 }
 
 // row_mean_sq: row-wise Adagrad's mean squared gradient of the whole row when
 // this table holds only some of its columns (given by the caller); nullptr:
 // computed here from g.
-template <typename scalar_t>
-void step_row(scalar_t* w, const float* g, int64_t dim, int64_t optimizer, const Hyper& h,
+// kDim > 0: the row width known at compile time; kDim == 0: runtime_dim.
+template <typename scalar_t, int64_t kDim>
+void step_row(scalar_t* w, const float* g, int64_t runtime_dim, int64_t optimizer, const Hyper& h,
               float* s0, float* s1, const float* row_mean_sq = nullptr) {
+  const int64_t dim = kDim > 0 ? kDim : runtime_dim;
   switch (optimizer) {
     case kSGD:
       for (int64_t d = 0; d < dim; ++d) w[d] = static_cast<float>(w[d]) - h.lr() * g[d];
@@ -77,9 +84,7 @@ void step_row(scalar_t* w, const float* g, int64_t dim, int64_t optimizer, const
       break;
     }
     case kRowWiseAdagrad: {  // s0: one accumulator for the row
-      float mean_sq = 0;
-      for (int64_t d = 0; d < dim; ++d) mean_sq += g[d] * g[d];
-      s0[0] += row_mean_sq ? *row_mean_sq : mean_sq / static_cast<float>(dim);
+      s0[0] += row_mean_sq ? *row_mean_sq : sum_of_squares<kDim>(g, dim) / static_cast<float>(dim);
       const float scale = h.lr() / (std::sqrt(s0[0]) + h.p[1]);
       for (int64_t d = 0; d < dim; ++d) w[d] = static_cast<float>(w[d]) - scale * g[d];
       break;
@@ -125,64 +130,153 @@ Hyper read_hyper(const at::Tensor& hyper, const at::Tensor& step) {
   return h;
 }
 
+// One COO entry on its way into its row's gradient: the row (local to the
+// owner), the pooled-gradient row it reads, and its gain.
+struct Contribution {
+  uint32_t row;
+  uint32_t grad_row;
+  float gain;
+};
+
+// A task's rows are split into ranges of 2^shift rows: its entries are first
+// scattered by range (keeping their order), then each range's rows are summed
+// in a compact buffer that stays in cache, one slot per touched row in order
+// of first touch. A range is small enough for its slot map to sit in L1 and
+// its table rows to be near each other; there are few enough ranges for the
+// scatter to keep one write stream per range.
+constexpr int kMinRangeBits = 12;
+constexpr int kMaxRangeCountBits = 11;
+
+// Per thread, reused across calls so that a step does not fault in fresh pages.
+struct Scratch {
+  std::vector<Contribution> contributions;
+  std::vector<int64_t> range_start;
+  std::vector<int64_t> cursor;
+  std::vector<int32_t> slot_of;  // per row of the current range: its slot, or -1
+  std::vector<uint32_t> rows;    // per slot: its row
+  std::vector<float> sums;       // per slot: its gradient, dim floats
+  template <typename T>
+  static T* at_least(std::vector<T>& v, size_t n) {
+    if (v.size() < n) v.resize(n);
+    return v.data();
+  }
+};
+
+// One task's entries, scattered by range of rows.
+struct TaskEntries {
+  const Contribution* contributions;
+  const int64_t* range_start;  // range r's entries are [range_start[r], range_start[r + 1])
+};
+
+// The COO entries of one (owner, bucket) task, as Contributions grouped by
+// range of rows, each range's in buffer order (receiver by receiver).
+TaskEntries scatter_by_range(Scratch& scratch, const Coo& coo, int64_t owner, int64_t buckets, int64_t bucket,
+                             int shift, int64_t ranges) {
+  const int64_t n = coo.n;
+  const int32_t* ids = coo.ids;
+  auto mine = [&](int32_t id) { return buckets == 1 || id % buckets == bucket; };
+  int64_t* start = Scratch::at_least(scratch.range_start, ranges + 1);
+  std::fill(start, start + ranges + 1, 0);
+  for (int64_t s = 0; s < n; ++s) {
+    const auto [begin, end] = coo.spans[s * n + owner];
+    for (int64_t e = begin; e < end; ++e) {
+      if (mine(ids[e])) ++start[(ids[e] >> shift) + 1];
+    }
+  }
+  for (int64_t r = 0; r < ranges; ++r) start[r + 1] += start[r];
+  Contribution* out = Scratch::at_least(scratch.contributions, start[ranges]);
+  int64_t* cursor = Scratch::at_least(scratch.cursor, ranges);
+  std::copy(start, start + ranges, cursor);
+  for (int64_t s = 0; s < n; ++s) {
+    const auto [begin, end] = coo.spans[s * n + owner];
+    int32_t bag = -1;
+    uint32_t grad_row = 0;
+    for (int64_t e = begin; e < end; ++e) {
+      if (!mine(ids[e])) continue;
+      if (coo.samples[e] != bag) {  // a group is in bag order: one division per bag, not per entry
+        bag = coo.samples[e];
+        grad_row = static_cast<uint32_t>(coo.row_of(bag));
+      }
+      out[cursor[ids[e] >> shift]++] = {static_cast<uint32_t>(ids[e]), grad_row, coo.gains[e]};
+    }
+  }
+  return {out, start};
+}
+
+// Sums the gradients of the rows of one range [base, base + 2^shift) from its
+// entries, in a compact buffer (a slot per touched row, in order of first
+// touch), then calls on_row(row, sum) for each, prefetching ahead.
+template <int64_t kDim, typename OnRow, typename Prefetch>
+void sum_range(Scratch& scratch, const Contribution* first, const Contribution* last, uint32_t base, int shift,
+               const float* grad, int64_t runtime_dim, const OnRow& on_row, const Prefetch& ahead) {
+  const int64_t dim = kDim > 0 ? kDim : runtime_dim;
+  const int64_t most = std::min<int64_t>(last - first, int64_t{1} << shift);
+  uint32_t* rows = Scratch::at_least(scratch.rows, most);
+  float* sums = Scratch::at_least(scratch.sums, most * dim);
+  int32_t* slot_of = scratch.slot_of.data();
+  int64_t slots = 0;
+  for (const Contribution* c = first; c != last; ++c) {
+    if (c + kPrefetchDistance < last) prefetch_bytes(grad + c[kPrefetchDistance].grad_row * dim, dim * 4);
+    int32_t& slot = slot_of[c->row - base];
+    if (slot < 0) {
+      slot = static_cast<int32_t>(slots++);
+      rows[slot] = c->row;
+      std::fill(sums + slot * dim, sums + (slot + 1) * dim, 0.0f);
+    }
+    float* __restrict acc = sums + slot * dim;
+    const float* __restrict g = grad + c->grad_row * dim;
+    for (int64_t d = 0; d < dim; ++d) acc[d] += c->gain * g[d];
+  }
+  for (int64_t j = 0; j < slots; ++j) {
+    if (j + kPrefetchDistance < slots) ahead(rows[j + kPrefetchDistance]);
+    on_row(rows[j], sums + j * dim);
+    slot_of[rows[j] - base] = -1;
+  }
+}
+
 // Calls on_row(physical row, summed gradient) once for every row a stack's COO
 // buffers touch, in parallel over (owner, bucket of rows) tasks (rows of
-// different tasks never meet); prefetch(physical row) is called ahead.
-template <typename OnRow, typename Prefetch>
+// different tasks never meet); ahead(physical row) is called a few rows
+// before. A row's entries are summed in their order in the buffers, whatever
+// the thread count.
+template <int64_t kDim, typename OnRow, typename Prefetch>
 void for_each_touched_row(const at::Tensor& grad_output, const at::Tensor& row_pointers,
                           const at::Tensor& embedding_ids, const at::Tensor& sample_ids, const at::Tensor& gains,
                           int64_t batch_size, int64_t rows_per_sc, const OnRow& on_row, const Prefetch& ahead) {
   const int64_t n = row_pointers.size(0);
-  const int64_t width = embedding_ids.size(1);
   const int64_t dim = grad_output.size(1);
   // A bag's gradient is in the output row the lookup wrote it to.
   const int64_t bags_per_slot = std::max<int64_t>(batch_size, 1);
-  const OutputRows grad_row{bags_per_slot, grad_output.size(0) / bags_per_slot};
   const auto grad = grad_output.contiguous().to(at::kFloat);
   const auto rp = row_pointers.contiguous();
   const auto ids = embedding_ids.contiguous();
   const auto samples = sample_ids.contiguous();
   const auto gn = gains.contiguous();
-  const auto spans = group_spans(rp.const_data_ptr<int32_t>(), n, width);
-  const int32_t* idp = ids.const_data_ptr<int32_t>();
-  const int32_t* sp = samples.const_data_ptr<int32_t>();
-  const float* gp = gn.const_data_ptr<float>();
-  const float* go = grad.const_data_ptr<float>();
+  const Coo coo{ids.const_data_ptr<int32_t>(), samples.const_data_ptr<int32_t>(), gn.const_data_ptr<float>(),
+                group_spans(rp.const_data_ptr<int32_t>(), n, embedding_ids.size(1)), n, rows_per_sc,
+                OutputRows{bags_per_slot, grad_output.size(0) / bags_per_slot}};
+  const float* gp = grad.const_data_ptr<float>();
   const int64_t buckets = std::max<int64_t>(1, 2 * at::get_num_threads() / n);
   int row_bits = 1;
   while ((int64_t{1} << row_bits) < rows_per_sc) ++row_bits;
+  const int shift = std::max(kMinRangeBits, row_bits - kMaxRangeCountBits);
+  const int64_t ranges = ((std::max<int64_t>(rows_per_sc, 1) - 1) >> shift) + 1;
   at::parallel_for(0, n * buckets, 1, [&](int64_t first, int64_t last) {
-    std::vector<uint64_t> keys, scratch;
-    std::vector<float> acc(dim);
+    thread_local Scratch scratch;
+    // Every slot free: also after an exception left a range half done.
+    std::fill_n(Scratch::at_least(scratch.slot_of, size_t{1} << shift), size_t{1} << shift, -1);
     for (int64_t task = first; task < last; ++task) {
-      const int64_t owner = task / buckets, bucket = task % buckets;
-      keys.clear();
-      for (int64_t s = 0; s < n; ++s) {
-        const auto [begin, end] = spans[s * n + owner];
-        for (int64_t e = begin; e < end; ++e) {
-          if (idp[e] % buckets == bucket) {
-            keys.push_back(static_cast<uint64_t>(idp[e]) << 32 | static_cast<uint64_t>(e));
-          }
-        }
-      }
-      sort_by_row(keys, scratch, row_bits);
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (size_t i = 0; i < keys.size(); ++i) {
-        if (i + kPrefetchDistance < keys.size()) {
-          // Gradient rows and touched table rows are scattered: fetch ahead.
-          const uint64_t k = keys[i + kPrefetchDistance];
-          prefetch(go + grad_row(sp[k & 0xffffffffu]) * dim, dim * 4);
-          ahead(owner * rows_per_sc + static_cast<int64_t>(k >> 32));
-        }
-        const int64_t e = static_cast<int64_t>(keys[i] & 0xffffffffu);
-        const float* g = go + grad_row(sp[e]) * dim;
-        const float gain = gp[e];
-        for (int64_t d = 0; d < dim; ++d) acc[d] += gain * g[d];
-        const int64_t row = static_cast<int64_t>(keys[i] >> 32);
-        if (i + 1 == keys.size() || static_cast<int64_t>(keys[i + 1] >> 32) != row) {
-          on_row(owner * rows_per_sc + row, acc.data());
-          std::fill(acc.begin(), acc.end(), 0.0f);
-        }
+      const int64_t owner = task / buckets;
+      const int64_t offset = owner * rows_per_sc;
+      const TaskEntries entries = scatter_by_range(scratch, coo, owner, buckets, task % buckets, shift, ranges);
+      for (int64_t r = 0; r < ranges; ++r) {
+        const Contribution* begin = entries.contributions + entries.range_start[r];
+        const Contribution* end = entries.contributions + entries.range_start[r + 1];
+        if (begin == end) continue;
+        sum_range<kDim>(
+            scratch, begin, end, static_cast<uint32_t>(r << shift), shift, gp, dim,
+            [&](uint32_t row, const float* g) { on_row(offset + row, g); },
+            [&](uint32_t row) { ahead(offset + row); });
       }
     }
   });
@@ -215,16 +309,19 @@ void backward_update(const at::Tensor& weight, at::TensorList state, const at::T
   const StatePointers st(state, dim);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "sparsecore_update", [&] {
     scalar_t* table = weight.mutable_data_ptr<scalar_t>();
-    for_each_touched_row(
-        grad_output, row_pointers, embedding_ids, sample_ids, gains, batch_size, rows_per_sc,
-        [&](int64_t r, const float* g) {
-          step_row(table + r * dim, g, dim, optimizer, h, st.first(r), st.second(r, dim));
-        },
-        [&](int64_t r) {
-          prefetch(table + r * dim, dim * static_cast<int64_t>(sizeof(scalar_t)));
-          if (st.s0) prefetch(st.first(r), st.s0_width * 4);
-          if (st.s1) prefetch(st.second(r, dim), dim * 4);
-        });
+    with_row_width(dim, [&](auto width) {
+      constexpr int64_t kDim = decltype(width)::value;
+      for_each_touched_row<kDim>(
+          grad_output, row_pointers, embedding_ids, sample_ids, gains, batch_size, rows_per_sc,
+          [&](int64_t r, const float* g) {
+            step_row<scalar_t, kDim>(table + r * dim, g, dim, optimizer, h, st.first(r), st.second(r, dim));
+          },
+          [&](int64_t r) {
+            prefetch_bytes<true>(table + r * dim, dim * static_cast<int64_t>(sizeof(scalar_t)));
+            if (st.s0) prefetch_bytes<true>(st.first(r), st.s0_width * 4);
+            if (st.s1) prefetch_bytes<true>(st.second(r, dim), dim * 4);
+          });
+    });
   });
 }
 
@@ -243,14 +340,16 @@ std::tuple<at::Tensor, at::Tensor> row_gradients(const at::Tensor& grad_output, 
   int64_t* orp = out_rows.mutable_data_ptr<int64_t>();
   float* ogp = out_grads.mutable_data_ptr<float>();
   std::atomic<int64_t> next{0};
-  for_each_touched_row(
-      grad_output, row_pointers, embedding_ids, sample_ids, gains, batch_size, rows_per_sc,
-      [&](int64_t r, const float* g) {
-        const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
-        orp[i] = r;
-        std::copy(g, g + dim, ogp + i * dim);
-      },
-      [](int64_t) {});
+  with_row_width(dim, [&](auto width) {
+    for_each_touched_row<decltype(width)::value>(
+        grad_output, row_pointers, embedding_ids, sample_ids, gains, batch_size, rows_per_sc,
+        [&](int64_t r, const float* g) {
+          const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+          orp[i] = r;
+          std::copy(g, g + dim, ogp + i * dim);
+        },
+        [](int64_t) {});
+  });
   const int64_t total = next.load();
   return {out_rows.narrow(0, 0, total), out_grads.narrow(0, 0, total)};
 }
@@ -275,12 +374,14 @@ void apply_rows(const at::Tensor& weight, at::TensorList state, const at::Tensor
   const StatePointers st(state, dim);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "sparsecore_apply_rows", [&] {
     scalar_t* table = weight.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, r.numel(), 256, [&](int64_t first, int64_t last) {
-      for (int64_t i = first; i < last; ++i) {
-        const int64_t row = rp[i];
-        step_row(table + row * dim, gp + i * dim, dim, optimizer, h, st.first(row), st.second(row, dim),
-                 mp ? mp + i : nullptr);
-      }
+    with_row_width(dim, [&](auto width) {
+      at::parallel_for(0, r.numel(), 256, [&](int64_t first, int64_t last) {
+        for (int64_t i = first; i < last; ++i) {
+          const int64_t row = rp[i];
+          step_row<scalar_t, decltype(width)::value>(table + row * dim, gp + i * dim, dim, optimizer, h,
+                                                     st.first(row), st.second(row, dim), mp ? mp + i : nullptr);
+        }
+      });
     });
   });
 }
