@@ -205,10 +205,12 @@ TaskEntries scatter_by_range(Scratch& scratch, const Coo& coo, int64_t owner, in
 
 // Sums the gradients of the rows of one range [base, base + 2^shift) from its
 // entries, in a compact buffer (a slot per touched row, in order of first
-// touch), then calls on_row(row, sum) for each, prefetching ahead.
-template <int64_t kDim, typename OnRow, typename Prefetch>
+// touch), then calls on_row(row, sum, at + j) for the j-th, prefetching
+// ahead, where at = reserve(touched rows).
+template <int64_t kDim, typename OnRow, typename Prefetch, typename Reserve>
 void sum_range(Scratch& scratch, const Contribution* first, const Contribution* last, uint32_t base, int shift,
-               const float* grad, int64_t runtime_dim, const OnRow& on_row, const Prefetch& ahead) {
+               const float* grad, int64_t runtime_dim, const OnRow& on_row, const Prefetch& ahead,
+               const Reserve& reserve) {
   const int64_t dim = kDim > 0 ? kDim : runtime_dim;
   const int64_t most = std::min<int64_t>(last - first, int64_t{1} << shift);
   uint32_t* rows = Scratch::at_least(scratch.rows, most);
@@ -227,22 +229,25 @@ void sum_range(Scratch& scratch, const Contribution* first, const Contribution* 
     const float* __restrict g = grad + c->grad_row * dim;
     for (int64_t d = 0; d < dim; ++d) acc[d] += c->gain * g[d];
   }
+  const int64_t at = reserve(slots);
   for (int64_t j = 0; j < slots; ++j) {
     if (j + kPrefetchDistance < slots) ahead(rows[j + kPrefetchDistance]);
-    on_row(rows[j], sums + j * dim);
+    on_row(rows[j], sums + j * dim, at + j);
     slot_of[rows[j] - base] = -1;
   }
 }
 
-// Calls on_row(physical row, summed gradient) once for every row a stack's COO
-// buffers touch, in parallel over (owner, bucket of rows) tasks (rows of
-// different tasks never meet); ahead(physical row) is called a few rows
-// before. A row's entries are summed in their order in the buffers, whatever
+// Calls on_row(physical row, summed gradient, index) once for every row a
+// stack's COO buffers touch, in parallel over (owner, bucket of rows) tasks
+// (rows of different tasks never meet); ahead(physical row) is called a few
+// rows before. Indices are distinct: reserve(k) is called before a group of k
+// rows, which get indices reserve's result + 0 .. k - 1. A row's entries are summed in their order in the buffers, whatever
 // the thread count.
-template <int64_t kDim, typename OnRow, typename Prefetch>
+template <int64_t kDim, typename OnRow, typename Prefetch, typename Reserve>
 void for_each_touched_row(const at::Tensor& grad_output, const at::Tensor& row_pointers,
                           const at::Tensor& embedding_ids, const at::Tensor& sample_ids, const at::Tensor& gains,
-                          int64_t batch_size, int64_t rows_per_sc, const OnRow& on_row, const Prefetch& ahead) {
+                          int64_t batch_size, int64_t rows_per_sc, const OnRow& on_row, const Prefetch& ahead,
+                          const Reserve& reserve) {
   const int64_t n = row_pointers.size(0);
   const int64_t dim = grad_output.size(1);
   // A bag's gradient is in the output row the lookup wrote it to.
@@ -275,8 +280,8 @@ void for_each_touched_row(const at::Tensor& grad_output, const at::Tensor& row_p
         if (begin == end) continue;
         sum_range<kDim>(
             scratch, begin, end, static_cast<uint32_t>(r << shift), shift, gp, dim,
-            [&](uint32_t row, const float* g) { on_row(offset + row, g); },
-            [&](uint32_t row) { ahead(offset + row); });
+            [&](uint32_t row, const float* g, int64_t index) { on_row(offset + row, g, index); },
+            [&](uint32_t row) { ahead(offset + row); }, reserve);
       }
     }
   });
@@ -313,14 +318,15 @@ void backward_update(const at::Tensor& weight, at::TensorList state, const at::T
       constexpr int64_t kDim = decltype(width)::value;
       for_each_touched_row<kDim>(
           grad_output, row_pointers, embedding_ids, sample_ids, gains, batch_size, rows_per_sc,
-          [&](int64_t r, const float* g) {
+          [&](int64_t r, const float* g, int64_t) {
             step_row<scalar_t, kDim>(table + r * dim, g, dim, optimizer, h, st.first(r), st.second(r, dim));
           },
           [&](int64_t r) {
             prefetch_bytes<true>(table + r * dim, dim * static_cast<int64_t>(sizeof(scalar_t)));
             if (st.s0) prefetch_bytes<true>(st.first(r), st.s0_width * 4);
             if (st.s1) prefetch_bytes<true>(st.second(r, dim), dim * 4);
-          });
+          },
+          [](int64_t) { return int64_t{0}; });
     });
   });
 }
@@ -343,12 +349,13 @@ std::tuple<at::Tensor, at::Tensor> row_gradients(const at::Tensor& grad_output, 
   with_row_width(dim, [&](auto width) {
     for_each_touched_row<decltype(width)::value>(
         grad_output, row_pointers, embedding_ids, sample_ids, gains, batch_size, rows_per_sc,
-        [&](int64_t r, const float* g) {
-          const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+        [&](int64_t r, const float* g, int64_t i) {
           orp[i] = r;
           std::copy(g, g + dim, ogp + i * dim);
         },
-        [](int64_t) {});
+        [](int64_t) {},
+        // One atomic per range of rows, not per row: threads share its cache line.
+        [&](int64_t rows) { return next.fetch_add(rows, std::memory_order_relaxed); });
   });
   const int64_t total = next.load();
   return {out_rows.narrow(0, 0, total), out_grads.narrow(0, 0, total)};
