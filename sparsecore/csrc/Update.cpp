@@ -41,6 +41,7 @@ enum Optimizer : int64_t { kSGD = 0, kAdagrad = 1, kRowWiseAdagrad = 2, kAdam = 
 struct Hyper {
   float p[6];
   int64_t step;
+  float adam_step_size;  // Adam's bias-corrected step size: the same for every row of a call
   float lr() const { return p[0]; }
 };
 
@@ -66,10 +67,12 @@ inline float sum_of_squares(const float* g, int64_t runtime_dim) {
 // row_mean_sq: row-wise Adagrad's mean squared gradient of the whole row when
 // this table holds only some of its columns (given by the caller); nullptr:
 // computed here from g.
-// kDim > 0: the row width known at compile time; kDim == 0: runtime_dim.
+// kDim > 0: the row width known at compile time; kDim == 0: runtime_dim. The
+// row, its gradient and its state never overlap (__restrict), so the loops
+// vectorize.
 template <typename scalar_t, int64_t kDim>
-void step_row(scalar_t* w, const float* g, int64_t runtime_dim, int64_t optimizer, const Hyper& h,
-              float* s0, float* s1, const float* row_mean_sq = nullptr) {
+void step_row(scalar_t* __restrict w, const float* __restrict g, int64_t runtime_dim, int64_t optimizer,
+              const Hyper& h, float* __restrict s0, float* __restrict s1, const float* row_mean_sq = nullptr) {
   const int64_t dim = kDim > 0 ? kDim : runtime_dim;
   switch (optimizer) {
     case kSGD:
@@ -90,11 +93,7 @@ void step_row(scalar_t* w, const float* g, int64_t runtime_dim, int64_t optimize
       break;
     }
     case kAdam: {  // s0, s1: moments; lazy, as torch.optim.SparseAdam
-      const float eps = h.p[1], beta1 = h.p[2], beta2 = h.p[3];
-      const double step = static_cast<double>(h.step);
-      const float step_size = static_cast<float>(
-          h.lr() * std::sqrt(1 - std::pow(static_cast<double>(beta2), step)) /
-          (1 - std::pow(static_cast<double>(beta1), step)));
+      const float eps = h.p[1], beta1 = h.p[2], beta2 = h.p[3], step_size = h.adam_step_size;
       for (int64_t d = 0; d < dim; ++d) {
         s0[d] += (g[d] - s0[d]) * (1 - beta1);
         s1[d] = s1[d] * beta2 + (1 - beta2) * g[d] * g[d];
@@ -127,6 +126,9 @@ Hyper read_hyper(const at::Tensor& hyper, const at::Tensor& step) {
   Hyper h{};
   for (int i = 0; i < 6; ++i) h.p[i] = static_cast<float>(hp[i]);
   h.step = ++step.mutable_data_ptr<int64_t>()[0];
+  const double steps = static_cast<double>(h.step);
+  h.adam_step_size = static_cast<float>(h.lr() * std::sqrt(1 - std::pow(static_cast<double>(h.p[3]), steps)) /
+                                        (1 - std::pow(static_cast<double>(h.p[2]), steps)));
   return h;
 }
 
