@@ -5,7 +5,7 @@ import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.modules.embedding_configs import PoolingType
 
-from sparsecore import optim
+from sparsecore import SparseCoreEmbeddingConfig, optim
 from sparsecore.errors import ConfigError
 from sparsecore.modules import SparseCoreEmbeddingBagCollection
 from tests.sparsecore.test_modules import random_kjt
@@ -21,9 +21,12 @@ def targets(batch, width, step):
     return torch.randn(batch, width, generator=torch.Generator().manual_seed(100 + step))
 
 
-def train_engine(optimizer, tables=TABLES, batch=6, num_sparsecores=4, **kw):
+def train_engine(optimizer, tables=TABLES, batch=6, num_sparsecores=4, max_ids_per_partition=None, **kw):
     reference = EmbeddingBagCollection(tables=tables, **kw)
-    engine = SparseCoreEmbeddingBagCollection(tables, optimizer, device="tpu", num_sparsecores=num_sparsecores)
+    engine_tables = tables if max_ids_per_partition is None else [
+        SparseCoreEmbeddingConfig(config=t, max_ids_per_partition=max_ids_per_partition,
+                                  max_unique_ids_per_partition=max_ids_per_partition) for t in tables]
+    engine = SparseCoreEmbeddingBagCollection(engine_tables, optimizer, device="tpu", num_sparsecores=num_sparsecores)
     engine.load_state_dict(reference.state_dict())
     for step in range(STEPS):
         out = engine(random_kjt(tables, batch, seed=step, max_len=6)).values()
@@ -75,6 +78,41 @@ def test_adam_is_lazy_like_sparse_adam():
         (out * targets(6, 4, step)).sum().backward()
         opt.step()
     torch.testing.assert_close(engine.state_dict()["embedding_bags.a.weight"].cpu(), bag.weight.detach(), atol=1e-5, rtol=1e-5)
+
+
+
+# Rows per SparseCore past the backward's 4096-row ranges (Update.cpp): a stack whose rows
+# span many ranges, ids repeated within and across bags and features.
+MANY_RANGES = [
+    EmbeddingBagConfig(name="big", num_embeddings=70_000, embedding_dim=16, feature_names=["f0", "f1"]),
+    EmbeddingBagConfig(name="small", num_embeddings=11, embedding_dim=16, feature_names=["f2"]),
+]
+MANY_RANGES_BATCH = 1024
+
+
+def test_updates_over_many_row_ranges_match_torch_optim():
+    reference, engine = train_engine(optim.Adagrad(lr=0.1, eps=1e-10), tables=MANY_RANGES, batch=MANY_RANGES_BATCH,
+                                     max_ids_per_partition=MANY_RANGES_BATCH * 6)
+    assert_tables_equal(engine, train_dense_reference(reference, lambda p: torch.optim.Adagrad(p, lr=0.1, eps=1e-10),
+                                                      tables=MANY_RANGES, batch=MANY_RANGES_BATCH))
+
+
+def test_adam_over_many_row_ranges_matches_sparse_adam():
+    table = MANY_RANGES[:1]
+    reference, engine = train_engine(optim.Adam(lr=0.05), tables=table, batch=MANY_RANGES_BATCH,
+                                     max_ids_per_partition=MANY_RANGES_BATCH * 6)
+    bag = torch.nn.EmbeddingBag(70_000, 16, mode="sum", sparse=True)
+    with torch.no_grad():
+        bag.weight.copy_(reference.state_dict()["embedding_bags.big.weight"])
+    opt = torch.optim.SparseAdam(bag.parameters(), lr=0.05)
+    for step in range(STEPS):
+        kjt = random_kjt(table, MANY_RANGES_BATCH, seed=step, max_len=6)
+        out = torch.cat([bag(kjt[f].values(), kjt[f].offsets()[:-1]) for f in ("f0", "f1")], dim=1)
+        opt.zero_grad()
+        (out * targets(MANY_RANGES_BATCH, 32, step)).sum().backward()
+        opt.step()
+    torch.testing.assert_close(engine.state_dict()["embedding_bags.big.weight"].cpu(), bag.weight.detach(),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_rowwise_adagrad_matches_a_hand_computation():
