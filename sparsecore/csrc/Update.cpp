@@ -243,8 +243,8 @@ void sum_range(Scratch& scratch, const Contribution* first, const Contribution* 
 // stack's COO buffers touch, in parallel over (owner, bucket of rows) tasks
 // (rows of different tasks never meet); ahead(physical row) is called a few
 // rows before. Indices are distinct: reserve(k) is called before a group of k
-// rows, which get indices reserve's result + 0 .. k - 1. A row's entries are summed in their order in the buffers, whatever
-// the thread count.
+// rows, which get indices reserve's result + 0 .. k - 1. A row's entries are
+// summed in their order in the buffers, whatever the thread count.
 template <int64_t kDim, typename OnRow, typename Prefetch, typename Reserve>
 void for_each_touched_row(const at::Tensor& grad_output, const at::Tensor& row_pointers,
                           const at::Tensor& embedding_ids, const at::Tensor& sample_ids, const at::Tensor& gains,
