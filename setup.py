@@ -28,11 +28,11 @@ setup(
         CppExtension(
             name="sparsecore._kernels",
             sources=sorted(glob.glob("sparsecore/csrc/*.cpp")),
-            # at::parallel_for is inline: without OpenMP here it runs serially.
-            # -fno-math-errno: sqrt is then one vector instruction, not a call
-            # guarded per element (optimizer state is never negative).
-            extra_compile_args=COMPILE_ARGS + ["-march=native", "-fopenmp", "-fno-math-errno"],
-            extra_link_args=["-fopenmp"],
+            # No OpenMP: the kernels run their loops on threads of their own
+            # (csrc/ThreadPool.h says why). -fno-math-errno: sqrt is then one
+            # vector instruction, not a call guarded per element (optimizer
+            # state is never negative).
+            extra_compile_args=COMPILE_ARGS + ["-march=native", "-fno-math-errno"],
         ),
     ],
     cmdclass={"build_ext": BuildExtension.with_options(no_python_abi_suffix=True)},

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from sparsecore._library import set_kernel_threads
 from sparsecore.trace import StageTrace
 
 
@@ -30,8 +31,16 @@ class SparseCoreExecutor:
         self._lock = threading.Lock()
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
-        # torch.tpu.submit carries the caller's grad mode and thread count over.
-        return torch.tpu.submit(self.stream, fn, *args, **kwargs)
+        # torch.tpu.submit carries the caller's grad mode over. ATen ops on the
+        # stream's worker run on one thread; the kernels take the caller's
+        # thread count onto the engine's own threads.
+        threads = torch.get_num_threads()
+
+        def with_kernel_threads() -> Any:
+            set_kernel_threads(threads)
+            return fn(*args, **kwargs)
+
+        return torch.tpu.submit(self.stream, with_kernel_threads)
 
     def run(self, stage: str, fn: Callable[..., Any], /, *args: Any) -> concurrent.futures.Future:
         """``submit``, timed as ``stage`` when a trace is set (``trace``: sparsecore.trace.StageTrace)."""

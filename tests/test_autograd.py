@@ -5,6 +5,7 @@ both and checks losses, gradients, parameters, buffers and optimizer state.
 """
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -117,6 +118,28 @@ def test_backward_through_elementwise_views_and_inplace():
     assert xt.grad.device.type == "tpu"
     assert_close(outs[1].detach().cpu(), outs[0].detach(), **TOL)
     assert_close(xt.grad.cpu(), xc.grad, **TOL)
+
+
+@pytest.mark.parametrize("where", ["main", "another thread"])
+def test_backward_runs_on_the_calling_thread(where):
+    """As on CPU, not on autograd's tpu device thread: a third thread's OpenMP regions would
+    give libgomp a second pool, and make it stop spinning for every op of the process."""
+    ran_on, done_by = [], []
+
+    def step():
+        x = torch.randn(64, 64, device="tpu", requires_grad=True)
+        h = x @ x
+        h.register_hook(lambda grad: ran_on.append(threading.get_ident()))
+        h.sum().backward()
+        done_by.append(threading.get_ident())
+
+    if where == "main":
+        step()
+    else:
+        worker = threading.Thread(target=step)
+        worker.start()
+        worker.join(timeout=60)
+    assert len(done_by) == 1 and ran_on == done_by
 
 
 def test_backward_through_indexing_matmul_and_reductions():

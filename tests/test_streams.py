@@ -1,10 +1,13 @@
 """Streams are ordered queues; events order work across them."""
 
+import os
 import threading
 import time
 
 import pytest
 import torch
+
+import torch_tpu.threads
 
 
 def test_default_and_current_stream():
@@ -35,12 +38,39 @@ def test_errors_reach_the_future():
     assert torch.tpu.submit(s, lambda: 7).result(timeout=5) == 7
 
 
-def test_submitted_work_keeps_the_callers_grad_mode_and_threads():
+def test_submitted_work_keeps_the_callers_grad_mode():
     s = torch.tpu.Stream()
-    seen = lambda: (torch.is_grad_enabled(), torch.get_num_threads())  # noqa: E731
     with torch.no_grad():
-        assert torch.tpu.submit(s, seen).result(timeout=10) == (False, torch.get_num_threads())
-    assert torch.tpu.submit(s, seen).result(timeout=10) == (True, torch.get_num_threads())
+        assert torch.tpu.submit(s, torch.is_grad_enabled).result(timeout=10) is False
+    assert torch.tpu.submit(s, torch.is_grad_enabled).result(timeout=10) is True
+
+
+def live_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.parametrize("where", ["stream", "threads.worker"])
+def test_worker_threads_start_no_openmp_team(where):
+    """A parallel region from a worker thread would give libgomp a second pool (one more
+    thread); ATen ops there run on one thread instead, with the same results."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        if where == "stream":
+            s = torch.tpu.Stream()
+            submit = lambda fn: torch.tpu.submit(s, fn)  # noqa: E731
+        else:
+            submit = torch_tpu.threads.worker("test-worker").submit
+        x, w = torch.randn(1 << 20), torch.randn(256, 256)
+        expected = (x * 2 + 1, w @ w)  # the main thread's OpenMP pool exists from here on
+        submit(lambda: None).result(timeout=10)  # the worker exists too
+        before = live_threads()
+        threads, (y, ww) = submit(lambda: (torch.get_num_threads(), (x * 2 + 1, w @ w))).result(timeout=30)
+        assert live_threads() == before
+        assert threads == 1
+        assert torch.equal(y, expected[0]) and torch.allclose(ww, expected[1])
+    finally:
+        torch.set_num_threads(previous)
 
 
 def test_event_orders_one_stream_after_another():

@@ -44,21 +44,7 @@ def _register() -> None:
     from torch_tpu.distributed import backend as distributed_backend
 
     distributed_backend.register()
-    _backward_on_calling_thread()
     logger.debug("tpu device registered: %s", topology)
-
-
-def _backward_on_calling_thread() -> None:
-    """The importing thread's backward passes run on that thread, as CPU ones do, not on
-    autograd's tpu device thread. The tpu kernels are host kernels: OpenMP parallel
-    regions started from a second thread give it a thread pool of its own, and once libgomp
-    manages more threads than there are CPUs it stops spinning between regions for good, so
-    every small parallel op in the process then waits for its workers to wake (a 256x256
-    matmul 57% slower, an add 8x). Other threads that call backward keep autograd's default
-    (``torch.autograd.set_multithreading_enabled``)."""
-    import torch
-
-    torch._C._set_multithreading_enabled(False)
 
 
 def register() -> bool:

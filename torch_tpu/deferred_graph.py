@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from torch_tpu import threads
+
 logger = logging.getLogger(__name__)
 
 COMPILE_VARIABLE = "TORCH_TPU_DEFER_COMPILE"
@@ -233,7 +235,7 @@ class GraphCache:
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torch_tpu-compile")
+                self._pool = threads.worker("torch_tpu-compile")
             return self._pool
 
     @staticmethod

@@ -112,18 +112,18 @@ def submit(stream: torch.Stream, fn: Callable[..., Any], /, *args: Any, **kwargs
 
     Returns a Future with the result or the exception. On the default stream
     the call runs at once on the calling thread. The work runs with the
-    submitting thread's grad mode and intra-op thread count: both are per
-    thread, and a stream's worker would otherwise keep its own.
+    submitting thread's grad mode (per thread: the worker would otherwise keep
+    its own). ATen ops on a stream's worker run on one thread: a second thread
+    starting OpenMP teams would slow every parallel op of the process
+    (csrc/TpuThreads.h); work that needs more threads brings its own.
     """
     eager.materialize_deferred("work submitted to a tpu stream")  # the work may read any tensor it was given
     future: concurrent.futures.Future = concurrent.futures.Future()
-    grad, threads = torch.is_grad_enabled(), torch.get_num_threads()
+    grad = torch.is_grad_enabled()
 
     def task() -> None:
         if not future.set_running_or_notify_cancel():
             return
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
         try:
             with torch.set_grad_enabled(grad):
                 future.set_result(fn(*args, **kwargs))

@@ -9,9 +9,9 @@
 // as an embedding_bag kernel does, rather than read and written per entry.
 
 #include "Layout.h"
+#include "ThreadPool.h"
 
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -120,7 +120,7 @@ at::Tensor lookup(const at::Tensor& weight, const at::Tensor& row_pointers,
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "sparsecore_lookup", [&] {
     const scalar_t* table = weight.const_data_ptr<scalar_t>();
     with_row_width(dim, [&](auto width) {
-      at::parallel_for(0, num_bags, kBagsPerTask, [&](int64_t bag_begin, int64_t bag_end) {
+      parallel_for(0, num_bags, kBagsPerTask, [&](int64_t bag_begin, int64_t bag_end) {
         lookup_bags<scalar_t, decltype(width)::value>(coo, table, dim, op, bag_begin, bag_end);
       });
     });

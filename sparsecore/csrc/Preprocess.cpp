@@ -10,8 +10,8 @@
 // Distinct rows per partition are counted with a bitmap over the rows.
 
 #include "Layout.h"
+#include "ThreadPool.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
@@ -254,7 +254,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, 
   const int64_t slice = std::max<int64_t>((batch_size + n - 1) / n, 1);
   const int64_t num_bags = slots * batch_size;
   const ShardMap shard(n);
-  const int64_t num_chunks = std::max<int64_t>(1, std::min<int64_t>(num_bags / 256, 8 * at::get_num_threads()));
+  const int64_t num_chunks = std::max<int64_t>(1, std::min<int64_t>(num_bags / 256, 8 * kernel_threads()));
   // Staging buffers stay with the calling thread between calls: fresh pages
   // would cost a fault each.
   // (A reference: worker threads must see the caller's buffers, not their own.)
@@ -263,7 +263,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, 
   if (static_cast<int64_t>(staged.size()) < num_chunks) staged.resize(num_chunks);
   std::vector<int64_t> counts(num_chunks * n * n, 0);
   std::vector<int64_t> bad(num_chunks * 2, -1);
-  at::parallel_for(0, num_chunks, 1, [&](int64_t first_chunk, int64_t last_chunk) {
+  parallel_for(0, num_chunks, 1, [&](int64_t first_chunk, int64_t last_chunk) {
     std::vector<float> gains;
     BagMerger merger;
     for (int64_t c = first_chunk; c < last_chunk; ++c) {
@@ -330,7 +330,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, 
       offset += counts[c * n * n + p];
     }
   }
-  at::parallel_for(0, num_chunks, 1, [&](int64_t first_chunk, int64_t last_chunk) {
+  parallel_for(0, num_chunks, 1, [&](int64_t first_chunk, int64_t last_chunk) {
     for (int64_t c = first_chunk; c < last_chunk; ++c) {
       int64_t* at = cursor.data() + c * n * n;
       for (const Staged* e = staged[c].data.get(); e != staged[c].data.get() + staged[c].size; ++e) {
@@ -345,7 +345,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, 
   // What each partition needed: ids and distinct rows.
   auto part_counts = at::zeros({n, n, 2}, at::kLong);
   int64_t* pc = part_counts.mutable_data_ptr<int64_t>();
-  at::parallel_for(0, n * n, 1, [&](int64_t first, int64_t last) {
+  parallel_for(0, n * n, 1, [&](int64_t first, int64_t last) {
     DistinctRows distinct(rows_per_sc);
     for (int64_t p = first; p < last; ++p) {
       pc[2 * p] = totals[p];

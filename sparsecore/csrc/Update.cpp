@@ -14,9 +14,9 @@
 // range's slot map and sums fit in L1 and L2.
 
 #include "Layout.h"
+#include "ThreadPool.h"
 
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -263,12 +263,12 @@ void for_each_touched_row(const at::Tensor& grad_output, const at::Tensor& row_p
                 group_spans(rp.const_data_ptr<int32_t>(), n, embedding_ids.size(1)), n, rows_per_sc,
                 OutputRows{bags_per_slot, grad_output.size(0) / bags_per_slot}};
   const float* gp = grad.const_data_ptr<float>();
-  const int64_t buckets = std::max<int64_t>(1, 2 * at::get_num_threads() / n);
+  const int64_t buckets = std::max<int64_t>(1, 2 * kernel_threads() / n);
   int row_bits = 1;
   while ((int64_t{1} << row_bits) < rows_per_sc) ++row_bits;
   const int shift = std::max(kMinRangeBits, row_bits - kMaxRangeCountBits);
   const int64_t ranges = ((std::max<int64_t>(rows_per_sc, 1) - 1) >> shift) + 1;
-  at::parallel_for(0, n * buckets, 1, [&](int64_t first, int64_t last) {
+  parallel_for(0, n * buckets, 1, [&](int64_t first, int64_t last) {
     thread_local Scratch scratch;
     // Every slot free: also after an exception left a range half done.
     std::fill_n(Scratch::at_least(scratch.slot_of, size_t{1} << shift), size_t{1} << shift, -1);
@@ -384,7 +384,7 @@ void apply_rows(const at::Tensor& weight, at::TensorList state, const at::Tensor
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "sparsecore_apply_rows", [&] {
     scalar_t* table = weight.mutable_data_ptr<scalar_t>();
     with_row_width(dim, [&](auto width) {
-      at::parallel_for(0, r.numel(), 256, [&](int64_t first, int64_t last) {
+      parallel_for(0, r.numel(), 256, [&](int64_t first, int64_t last) {
         for (int64_t i = first; i < last; ++i) {
           const int64_t row = rp[i];
           step_row<scalar_t, decltype(width)::value>(table + row * dim, gp + i * dim, dim, optimizer, h,

@@ -29,6 +29,7 @@ from sparsecore.executor import Pending, completed, executor_for, run_on
 from sparsecore.collection import SparseCoreCollection
 from sparsecore.modules import SparseCoreEmbeddingBagCollection
 from sparsecore.optim import RowWiseAdagrad
+from torch_tpu import threads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,7 +317,7 @@ class ShardedSparseCoreEmbeddingBagCollection(ShardedSparseCoreCollection):
         that group: every rank must make it at the same point (as a pipeline does)."""
         if self._ahead is None:
             input_dist = InputDist(self._layout, self._rank, self._peer_group())
-            self._ahead = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sparsecore-input-dist"),
+            self._ahead = (threads.worker("sparsecore-input-dist"),
                            input_dist)
         thread, input_dist = self._ahead
         trace = executor_for(self._device).trace if self._device.type == "tpu" else None

@@ -95,3 +95,45 @@ def test_sparse_work_overlaps_dense_work():
         assert ratio < 0.85, ratio
     finally:
         torch.set_num_threads(previous)
+
+
+# Batches of 512: 2048 bags, several threads' worth of kernel work.
+BIG_BATCH_TABLES = [SparseCoreEmbeddingConfig(config=t, max_ids_per_partition=1 << 14,
+                                              max_unique_ids_per_partition=1 << 14) for t in TABLES]
+
+
+def _forward_in_child(engine, kjt, results) -> None:
+    results.put(engine(kjt).values().tolist())  # plain data: a tensor's shared memory would leave with the child
+
+
+def test_kernels_run_in_a_forked_child_after_the_parent_used_their_threads():
+    """The kernels' worker threads do not survive fork; a child (a DataLoader worker
+    preprocessing ahead) starts its own instead of waiting on the parent's."""
+    engine = SparseCoreEmbeddingBagCollection(BIG_BATCH_TABLES, device="cpu")
+    kjt = random_kjt(TABLES, batch=512)
+    expected = engine(kjt).values()
+    context = torch.multiprocessing.get_context("fork")
+    results = context.Queue()
+    child = context.Process(target=_forward_in_child, args=(engine, kjt, results))
+    child.start()
+    try:
+        got = results.get(timeout=60)
+    finally:
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
+    torch.testing.assert_close(torch.tensor(got), expected, rtol=0, atol=0)
+
+
+def test_kernels_called_from_two_threads_at_once_give_each_its_result():
+    """The executor's kernels and the calling thread's share the engine's threads."""
+    cpu_engine = SparseCoreEmbeddingBagCollection(BIG_BATCH_TABLES, device="cpu")
+    tpu_engine = SparseCoreEmbeddingBagCollection(BIG_BATCH_TABLES, device="tpu")
+    batches = [random_kjt(TABLES, batch=512, seed=s) for s in range(6)]
+    expected_cpu = [cpu_engine(b).values() for b in batches]
+    expected_tpu = [tpu_engine(b).values().cpu() for b in batches]
+    pending = [tpu_engine.forward_async(b) for b in batches]
+    on_main = [cpu_engine(b).values() for b in batches]
+    for b in range(len(batches)):
+        torch.testing.assert_close(on_main[b], expected_cpu[b], rtol=0, atol=0)
+        torch.testing.assert_close(pending[b].result(timeout=60).values().cpu(), expected_tpu[b], rtol=0, atol=0)

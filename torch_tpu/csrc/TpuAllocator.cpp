@@ -1,4 +1,5 @@
 #include "TpuAllocator.h"
+#include "TpuThreads.h"
 
 #include "TpuDevice.h"
 
@@ -238,6 +239,7 @@ c10::DataPtr TpuAllocator::allocate(size_t nbytes) {
 
 c10::DataPtr TpuAllocator::allocate_on(size_t nbytes, c10::DeviceIndex device) {
   check_device_index(device);
+  run_backward_on_this_thread();
   const c10::Device dev(c10::DeviceType::PrivateUse1, device);
   if (nbytes == 0) {
     return {nullptr, nullptr, &tpu_free, dev};

@@ -1,6 +1,7 @@
 #include "TpuStream.h"
 
 #include "TpuDevice.h"
+#include "TpuThreads.h"
 
 #include <Python.h>
 #include <c10/util/Exception.h>
@@ -73,6 +74,7 @@ class Queue {
 
  private:
   void run() {
+    keep_this_thread_off_openmp();
     for (;;) {
       std::function<void()> task;
       {
