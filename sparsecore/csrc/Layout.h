@@ -67,13 +67,11 @@ struct Coo {
   OutputRows row_of;
 };
 
-// Asks for [p, p + bytes) ahead of use (kWrite: it will be written). Random
-// rows come from DRAM, and keeping several requests in flight is what makes a
-// gather fast.
-template <bool kWrite = false>
+// Asks for [p, p + bytes) ahead of use, to read. Random rows come from DRAM,
+// and keeping several requests in flight is what makes a gather fast.
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(c + offset, kWrite, 0);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(c + offset, 0, 0);
 }
 
 // Calls f(std::integral_constant<int64_t, K>{}) with K = dim for the common

@@ -27,8 +27,7 @@
 namespace sparsecore {
 namespace {
 
-// Entries of a group fetched ahead of use: random rows come from DRAM, and
-// keeping several requests in flight is what makes a gather fast.
+// How many entries of a group ahead their rows are prefetched (prefetch_bytes).
 constexpr int64_t kPrefetchDistance = 32;
 constexpr int64_t kBagsPerTask = 256;
 

@@ -6,8 +6,8 @@
 // buckets (row mod k) of one owner: each (owner, bucket) task gathers its
 // entries from every receiver, scattered by range of rows, and sums each
 // range's rows in a small buffer that stays in cache; then it steps the
-// optimizer on every touched row of the range, with the rows ahead
-// prefetched. One parameterised kernel serves every optimizer.
+// optimizer on every touched row of the range. One parameterised kernel
+// serves every optimizer.
 //
 // Rather than sorting entries by row: a sort moves every entry several times
 // and leaves its sample and gain to be fetched from a random place, while a
@@ -153,7 +153,6 @@ constexpr int kMaxRangeCountBits = 11;
 struct Scratch {
   std::vector<Contribution> contributions;
   std::vector<int64_t> range_start;
-  std::vector<int64_t> cursor;
   std::vector<int32_t> slot_of;  // per row of the current range: its slot, or -1
   std::vector<uint32_t> rows;    // per slot: its row
   std::vector<float> sums;       // per slot: its gradient, dim floats
@@ -187,8 +186,7 @@ TaskEntries scatter_by_range(Scratch& scratch, const Coo& coo, int64_t owner, in
   }
   for (int64_t r = 0; r < ranges; ++r) start[r + 1] += start[r];
   Contribution* out = Scratch::at_least(scratch.contributions, start[ranges]);
-  int64_t* cursor = Scratch::at_least(scratch.cursor, ranges);
-  std::copy(start, start + ranges, cursor);
+  std::vector<int64_t> cursor(start, start + ranges);
   for (int64_t s = 0; s < n; ++s) {
     const auto [begin, end] = coo.spans[s * n + owner];
     int32_t bag = -1;
@@ -207,12 +205,11 @@ TaskEntries scatter_by_range(Scratch& scratch, const Coo& coo, int64_t owner, in
 
 // Sums the gradients of the rows of one range [base, base + 2^shift) from its
 // entries, in a compact buffer (a slot per touched row, in order of first
-// touch), then calls on_row(row, sum, at + j) for the j-th, prefetching
-// ahead, where at = reserve(touched rows).
-template <int64_t kDim, typename OnRow, typename Prefetch, typename Reserve>
+// touch), then calls on_row(row, sum, at + j) for the j-th, where at =
+// reserve(touched rows).
+template <int64_t kDim, typename OnRow, typename Reserve>
 void sum_range(Scratch& scratch, const Contribution* first, const Contribution* last, uint32_t base, int shift,
-               const float* grad, int64_t runtime_dim, const OnRow& on_row, const Prefetch& ahead,
-               const Reserve& reserve) {
+               const float* grad, int64_t runtime_dim, const OnRow& on_row, const Reserve& reserve) {
   const int64_t dim = kDim > 0 ? kDim : runtime_dim;
   const int64_t most = std::min<int64_t>(last - first, int64_t{1} << shift);
   uint32_t* rows = Scratch::at_least(scratch.rows, most);
@@ -233,7 +230,6 @@ void sum_range(Scratch& scratch, const Contribution* first, const Contribution* 
   }
   const int64_t at = reserve(slots);
   for (int64_t j = 0; j < slots; ++j) {
-    if (j + kPrefetchDistance < slots) ahead(rows[j + kPrefetchDistance]);
     on_row(rows[j], sums + j * dim, at + j);
     slot_of[rows[j] - base] = -1;
   }
@@ -241,15 +237,14 @@ void sum_range(Scratch& scratch, const Contribution* first, const Contribution* 
 
 // Calls on_row(physical row, summed gradient, index) once for every row a
 // stack's COO buffers touch, in parallel over (owner, bucket of rows) tasks
-// (rows of different tasks never meet); ahead(physical row) is called a few
-// rows before. Indices are distinct: reserve(k) is called before a group of k
-// rows, which get indices reserve's result + 0 .. k - 1. A row's entries are
-// summed in their order in the buffers, whatever the thread count.
-template <int64_t kDim, typename OnRow, typename Prefetch, typename Reserve>
+// (rows of different tasks never meet). Indices are distinct: reserve(k) is
+// called before a group of k rows, which get indices reserve's result + 0 ..
+// k - 1. A row's entries are summed in their order in the buffers, whatever
+// the thread count.
+template <int64_t kDim, typename OnRow, typename Reserve>
 void for_each_touched_row(const at::Tensor& grad_output, const at::Tensor& row_pointers,
                           const at::Tensor& embedding_ids, const at::Tensor& sample_ids, const at::Tensor& gains,
-                          int64_t batch_size, int64_t rows_per_sc, const OnRow& on_row, const Prefetch& ahead,
-                          const Reserve& reserve) {
+                          int64_t batch_size, int64_t rows_per_sc, const OnRow& on_row, const Reserve& reserve) {
   const int64_t n = row_pointers.size(0);
   const int64_t dim = grad_output.size(1);
   // A bag's gradient is in the output row the lookup wrote it to.
@@ -282,8 +277,7 @@ void for_each_touched_row(const at::Tensor& grad_output, const at::Tensor& row_p
         if (begin == end) continue;
         sum_range<kDim>(
             scratch, begin, end, static_cast<uint32_t>(r << shift), shift, gp, dim,
-            [&](uint32_t row, const float* g, int64_t index) { on_row(offset + row, g, index); },
-            [&](uint32_t row) { ahead(offset + row); }, reserve);
+            [&](uint32_t row, const float* g, int64_t index) { on_row(offset + row, g, index); }, reserve);
       }
     }
   });
@@ -323,11 +317,6 @@ void backward_update(const at::Tensor& weight, at::TensorList state, const at::T
           [&](int64_t r, const float* g, int64_t) {
             step_row<scalar_t, kDim>(table + r * dim, g, dim, optimizer, h, st.first(r), st.second(r, dim));
           },
-          [&](int64_t r) {
-            prefetch_bytes<true>(table + r * dim, dim * static_cast<int64_t>(sizeof(scalar_t)));
-            if (st.s0) prefetch_bytes<true>(st.first(r), st.s0_width * 4);
-            if (st.s1) prefetch_bytes<true>(st.second(r, dim), dim * 4);
-          },
           [](int64_t) { return int64_t{0}; });
     });
   });
@@ -355,7 +344,6 @@ std::tuple<at::Tensor, at::Tensor> row_gradients(const at::Tensor& grad_output, 
           orp[i] = r;
           std::copy(g, g + dim, ogp + i * dim);
         },
-        [](int64_t) {},
         // One atomic per range of rows, not per row: threads share its cache line.
         [&](int64_t rows) { return next.fetch_add(rows, std::memory_order_relaxed); });
   });
