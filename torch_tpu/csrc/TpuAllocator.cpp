@@ -1,7 +1,7 @@
 #include "TpuAllocator.h"
-#include "TpuThreads.h"
 
 #include "TpuDevice.h"
+#include "TpuThreads.h"
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>

@@ -19,9 +19,9 @@ namespace torch_tpu {
 // on the thread is kept.
 void run_backward_on_this_thread();
 
-// For the backend's worker threads (streams, torch_tpu/threads.py): ATen ops on this thread use
-// one thread, so they never start an OpenMP team. Work that needs more
-// brings threads of its own.
+// For the backend's worker threads (streams, torch_tpu/threads.py): ATen ops
+// on this thread use one thread, so they never start an OpenMP team. Work that
+// needs more brings threads of its own.
 void keep_this_thread_off_openmp();
 
 } // namespace torch_tpu
