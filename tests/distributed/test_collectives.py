@@ -200,6 +200,9 @@ def variable_reduce_scatter(rank: int, world: int) -> str:
     check(out, torch.stack([i[own] for i in inputs]).amax(0))
     reduce_scatter_v(out, on_tpu(inputs[rank]), splits, op=dist.ReduceOp.AVG)
     check(out, sum(i[own] for i in inputs) / world)
+    for op, reduce in ((dist.ReduceOp.MIN, lambda t: t.amin(0)), (dist.ReduceOp.PRODUCT, lambda t: t.prod(0))):
+        reduce_scatter_v(out, on_tpu(inputs[rank]), splits, op=op)
+        check(out, reduce(torch.stack([i[own] for i in inputs])))
     cpu_out = torch.empty(splits[rank], 2)
     reduce_scatter_v(cpu_out, inputs[rank], splits)
     assert_close(cpu_out, sum(i[own] for i in inputs))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.testing import assert_close
@@ -27,13 +27,13 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 4, generator=g)) for _ in range(STEPS)]
 
 
-def reference(optimizer_cls, **kwargs) -> dict[str, torch.Tensor]:
+def reference(optimizer_cls, loss_scale: float = 1.0, **kwargs) -> dict[str, torch.Tensor]:
     """The same training on the full batch, one CPU process, no distribution at all."""
     model = make_model()
     opt = optimizer_cls(model.parameters(), **kwargs)
     for x, y in batches():
         opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
+        (loss_scale * nn.functional.mse_loss(model(x), y)).backward()
         opt.step()
     return {k: v.detach() for k, v in model.state_dict().items()}
 
@@ -54,14 +54,20 @@ def train_ddp(rank: int, world: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu() for k, v in model.module.state_dict().items()}
 
 
-def train_fsdp2(rank: int, world: int) -> dict[str, torch.Tensor]:
+def train_fsdp2(rank: int, world: int, divide_factor: float | None = None) -> dict[str, torch.Tensor]:
     mesh = init_device_mesh("tpu", (world,))
     model = make_model().to("tpu")
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    if divide_factor is None:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    else:  # a factor other than the world size: FSDP2 reduce-scatters with PREMUL_SUM(1 / factor)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(divide_factor)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for x, y in batches():
         opt.zero_grad()
         nn.functional.mse_loss(model(local_batch(x, rank, world)), local_batch(y, rank, world)).backward()
@@ -103,9 +109,19 @@ def test_ddp_equals_single_process_training(world_size):
             assert_close(state[k], v, msg=k)
 
 
-def test_fsdp2_equals_unsharded_training():
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fsdp2_equals_unsharded_training(world_size):
     expected = reference(torch.optim.Adam, lr=0.01)
-    for state in assert_all_ok(run_ranks(train_fsdp2, 2)):
+    for state in assert_all_ok(run_ranks(train_fsdp2, world_size)):
+        for k, v in expected.items():
+            assert_close(state[k], v, msg=k)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fsdp2_with_a_gradient_divide_factor_reduces_with_premul_sum(world_size):
+    # Gradients summed over ranks times 1 / (world / 2): twice the full batch's mean gradient.
+    expected = reference(torch.optim.SGD, loss_scale=2.0, lr=0.05)
+    for state in assert_all_ok(run_ranks(train_fsdp2, world_size, world_size / 2)):
         for k, v in expected.items():
             assert_close(state[k], v, msg=k)
 
