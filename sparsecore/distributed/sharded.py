@@ -317,8 +317,7 @@ class ShardedSparseCoreEmbeddingBagCollection(ShardedSparseCoreCollection):
         that group: every rank must make it at the same point (as a pipeline does)."""
         if self._ahead is None:
             input_dist = InputDist(self._layout, self._rank, self._peer_group())
-            self._ahead = (threads.worker("sparsecore-input-dist"),
-                           input_dist)
+            self._ahead = (threads.worker("sparsecore-input-dist"), input_dist)
         thread, input_dist = self._ahead
         trace = executor_for(self._device).trace if self._device.type == "tpu" else None
         run = trace.wrap(input_dist, "input dist", "input dist") if trace is not None else input_dist

@@ -64,21 +64,28 @@ def test_dense_equivalent_optimizers_match_torch_optim(spec, make_reference):
     assert_tables_equal(engine, train_dense_reference(reference, make_reference))
 
 
+def train_sparse_adam(reference, table, batch, lr):
+    """torch.optim.SparseAdam on an EmbeddingBag(sparse=True) holding the reference's one table,
+    on the same batches and loss as train_engine; returns its weight."""
+    config = table[0]
+    bag = torch.nn.EmbeddingBag(config.num_embeddings, config.embedding_dim, mode="sum", sparse=True)
+    with torch.no_grad():
+        bag.weight.copy_(reference.state_dict()[f"embedding_bags.{config.name}.weight"])
+    opt = torch.optim.SparseAdam(bag.parameters(), lr=lr)
+    for step in range(STEPS):
+        kjt = random_kjt(table, batch, seed=step, max_len=6)
+        out = torch.cat([bag(kjt[f].values(), kjt[f].offsets()[:-1]) for f in config.feature_names], dim=1)
+        opt.zero_grad()
+        (out * targets(batch, out.shape[1], step)).sum().backward()
+        opt.step()
+    return bag.weight.detach()
+
+
 def test_adam_is_lazy_like_sparse_adam():
     table = [EmbeddingBagConfig(name="a", num_embeddings=17, embedding_dim=4, feature_names=["f"])]
     reference, engine = train_engine(optim.Adam(lr=0.05), tables=table)
-    bag = torch.nn.EmbeddingBag(17, 4, mode="sum", sparse=True)
-    with torch.no_grad():
-        bag.weight.copy_(reference.state_dict()["embedding_bags.a.weight"])
-    opt = torch.optim.SparseAdam(bag.parameters(), lr=0.05)
-    for step in range(STEPS):
-        kjt = random_kjt(table, 6, seed=step, max_len=6)
-        out = bag(kjt.values(), kjt.offsets()[:-1])
-        opt.zero_grad()
-        (out * targets(6, 4, step)).sum().backward()
-        opt.step()
-    torch.testing.assert_close(engine.state_dict()["embedding_bags.a.weight"].cpu(), bag.weight.detach(), atol=1e-5, rtol=1e-5)
-
+    expected = train_sparse_adam(reference, table, 6, lr=0.05)
+    torch.testing.assert_close(engine.state_dict()["embedding_bags.a.weight"].cpu(), expected, atol=1e-5, rtol=1e-5)
 
 
 # Rows per SparseCore past the backward's 4096-row ranges (Update.cpp): a stack whose rows
@@ -101,17 +108,8 @@ def test_adam_over_many_row_ranges_matches_sparse_adam():
     table = MANY_RANGES[:1]
     reference, engine = train_engine(optim.Adam(lr=0.05), tables=table, batch=MANY_RANGES_BATCH,
                                      max_ids_per_partition=MANY_RANGES_BATCH * 6)
-    bag = torch.nn.EmbeddingBag(70_000, 16, mode="sum", sparse=True)
-    with torch.no_grad():
-        bag.weight.copy_(reference.state_dict()["embedding_bags.big.weight"])
-    opt = torch.optim.SparseAdam(bag.parameters(), lr=0.05)
-    for step in range(STEPS):
-        kjt = random_kjt(table, MANY_RANGES_BATCH, seed=step, max_len=6)
-        out = torch.cat([bag(kjt[f].values(), kjt[f].offsets()[:-1]) for f in ("f0", "f1")], dim=1)
-        opt.zero_grad()
-        (out * targets(MANY_RANGES_BATCH, 32, step)).sum().backward()
-        opt.step()
-    torch.testing.assert_close(engine.state_dict()["embedding_bags.big.weight"].cpu(), bag.weight.detach(),
+    expected = train_sparse_adam(reference, table, MANY_RANGES_BATCH, lr=0.05)
+    torch.testing.assert_close(engine.state_dict()["embedding_bags.big.weight"].cpu(), expected,
                                atol=1e-5, rtol=1e-5)
 
 
