@@ -2,17 +2,20 @@
 
 ``python -m benchmarks.collectives [--quick] [--world-size 2] [--sizes 4K,1M] [--collectives all_reduce]``
 
-``tpu_dist`` hands gloo CPU views of the tpu tensors (no copy), so the two
-sides move the same bytes over the same transport; what differs is the
-dispatch of a tpu tensor to the c10d op's PrivateUse1 kernel and the swap of
-its tensors for host views. This measures that cost, per call and per byte.
+The ranks here share a host, so ``tpu_dist`` carries these collectives through
+its shared-memory segment (``torch_tpu/distributed/shared_memory.py``), where
+gloo sends them over TCP on the loopback interface. A third side,
+``tpu_dist`` with ``TORCH_TPU_DIST_TRANSPORT=gloo`` (the path of a group that
+spans hosts: gloo on CPU views of the tpu tensors), shows what the tpu layer
+itself costs over raw gloo, per call and per byte.
 
 Collectives: ``all_reduce`` (SUM) and ``all_to_all_single`` (even splits), at
 4 KiB, 16 KiB, 64 KiB, 256 KiB, 1 MiB, 4 MiB, 16 MiB and 64 MiB of float32
 per rank (the input tensor of each rank). One run spawns ``--world-size``
 processes on 127.0.0.1 (each takes ``tpu:<rank>``), which join a ``tpu_dist``
-group (the world) and a plain gloo group (``new_group(backend="gloo")``, the
-anchor, which also carries the benchmark's own barriers and reductions).
+group (the world), a ``tpu_dist`` group on gloo alone, and a plain gloo group
+(``new_group(backend="gloo")``, the anchor, which also carries the
+benchmark's own barriers and reductions).
 
 Per size and collective: warm-up calls on each side (their time picks the
 calls per block, about ``--block-ms`` of work, and the rounds, at most
@@ -22,7 +25,8 @@ before each block. A block's time per call is the max over ranks; the
 reported time is its median over rounds, with the spread of the rounds
 (IQR / median: other load on the machine widens it). The ratio is paired: the
 median over rounds of tpu_dist's block time over gloo's in the same round (the
-two run back to back, so they share the machine's drift). GB/s is the algorithmic bandwidth, bytes per rank's tensor / time.
+sides run back to back, so they share the machine's drift); the gloo-alone
+side gets its own paired ratio, without a target. GB/s is the algorithmic bandwidth, bytes per rank's tensor / time.
 
 Rounds: the round-to-round spread here is 20-60%, so the median ratio's error
 over 61 rounds is about 5%, the size of the bandwidth target itself; the
@@ -46,6 +50,7 @@ import argparse
 import dataclasses
 import datetime
 import gc
+import os
 import statistics
 import sys
 import time
@@ -58,12 +63,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks import report
+from torch_tpu.distributed import group_transport
 from torch_tpu.distributed.local_ranks import free_port, start_local_ranks
 
 KiB, MiB = 2**10, 2**20
 SIZES = [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
 COLLECTIVES = ("all_reduce", "all_to_all_single")
-SIDES = ("tpu_dist", "gloo")
+SIDES = ("tpu_dist", "gloo", "tpu_dist_gloo")  # the last: tpu_dist with TORCH_TPU_DIST_TRANSPORT=gloo
 DEFAULT_ROUNDS = 241  # the cell budget stops most cells near 100 (module docstring)
 ELEMENT_BYTES = 4  # float32
 
@@ -203,13 +209,12 @@ def timed_rounds(calls: dict[str, Callable[[], None]], per_block: int, rounds: i
     return {name: merged[i * rounds:(i + 1) * rounds] for i, name in enumerate(names)}
 
 
-def measure_cell(collective: str, nbytes: int, device: torch.device, anchor: dist.ProcessGroup,
+def measure_cell(collective: str, nbytes: int, device: torch.device, groups: dict[str, dist.ProcessGroup | None],
                  world: int, settings: Settings) -> dict[str, Any]:
-    """Times one (collective, size) on both sides; the samples are the same on every rank."""
-    calls = {
-        "tpu_dist": make_call(collective, nbytes, device, None, world),  # the world group is tpu_dist
-        "gloo": make_call(collective, nbytes, torch.device("cpu"), anchor, world),
-    }
+    """Times one (collective, size) on every side; the samples are the same on every rank."""
+    anchor = groups["gloo"]
+    calls = {name: make_call(collective, nbytes, torch.device("cpu") if name == "gloo" else device, group, world)
+             for name, group in groups.items()}
     per_call_s = warm_up(calls, settings.warmup, anchor)
     per_block, rounds = plan_cell(per_call_s, settings)
     samples = timed_rounds(calls, per_block, rounds, anchor)
@@ -224,13 +229,20 @@ def run_rank(rank: int, world: int, port: int, settings: Settings) -> None:
     dist.init_process_group("tpu_dist", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=settings.group_timeout_s))
     anchor = dist.new_group(backend="gloo")
+    os.environ["TORCH_TPU_DIST_TRANSPORT"] = "gloo"  # read when a group is made
+    gloo_alone = dist.new_group(backend="tpu_dist")
+    del os.environ["TORCH_TPU_DIST_TRANSPORT"]
+    transports = [group_transport(), group_transport(gloo_alone)]
+    if transports != ["shared_memory", "gloo"]:
+        raise RuntimeError(f"tpu_dist groups on {transports}, expected shared_memory and gloo")
+    groups = {"tpu_dist": None, "gloo": anchor, "tpu_dist_gloo": gloo_alone}  # None: the world, tpu_dist
     device = torch.device("tpu", torch.tpu.current_device())  # tpu:<LOCAL_RANK>, set by tpu_dist
-    check_collectives(device, None, rank, world)
-    check_collectives(torch.device("cpu"), anchor, rank, world)
+    for name, group in groups.items():
+        check_collectives(torch.device("cpu") if name == "gloo" else device, group, rank, world)
     cells = []
     for nbytes in settings.sizes:
         for collective in settings.collectives:
-            cell = measure_cell(collective, nbytes, device, anchor, world, settings)
+            cell = measure_cell(collective, nbytes, device, groups, world, settings)
             cells.append(cell)
             if rank == 0:
                 print(progress_line(cell), flush=True)
@@ -280,7 +292,8 @@ def summarize_cell(cell: dict[str, Any]) -> dict[str, Any]:
         row[f"{name}_us"] = medians[name]
         row[f"{name}_gbps"] = cell["bytes"] / (medians[name] * 1e-6) / 1e9
         row[f"{name}_iqr"] = relative_iqr(cell["samples_us"][name])
-    row.update(ratio=ratio, median_ratio=medians["tpu_dist"] / medians["gloo"],
+    gloo_alone = statistics.median(t / g for t, g in zip(samples["tpu_dist_gloo"], samples["gloo"]))
+    row.update(ratio=ratio, median_ratio=medians["tpu_dist"] / medians["gloo"], gloo_alone_ratio=gloo_alone,
                target=target.max_ratio if target else None,
                met=None if target is None else ratio <= target.max_ratio,
                calls_per_block=cell["calls_per_block"], rounds=cell["rounds"], samples_us=cell["samples_us"])
@@ -290,7 +303,8 @@ def summarize_cell(cell: dict[str, Any]) -> dict[str, Any]:
 def progress_line(cell: dict[str, Any]) -> str:
     row = summarize_cell(cell)
     return (f"{row['collective']:>17} {row['size']:>7}: tpu_dist {row['tpu_dist_us']:10.1f} us, "
-            f"gloo {row['gloo_us']:10.1f} us, ratio {row['ratio']:.3f} "
+            f"gloo {row['gloo_us']:10.1f} us, ratio {row['ratio']:.3f}; tpu_dist on gloo alone "
+            f"{row['tpu_dist_gloo_us']:10.1f} us, ratio {row['gloo_alone_ratio']:.3f} "
             f"({row['rounds']} rounds x {row['calls_per_block']} calls)")
 
 
@@ -300,7 +314,7 @@ def _number(value: float) -> str:
 
 def render_table(rows: list[dict[str, Any]]) -> str:
     columns = ["collective", "size", "tpu_dist µs", "gloo µs", "tpu_dist GB/s", "gloo GB/s", "ratio", "target", "met",
-               "ratio of medians", "IQR/median", "rounds x calls"]
+               "ratio of medians", "IQR/median", "on gloo alone µs", "on gloo alone ratio", "rounds x calls"]
     shown = [{
         "collective": r["collective"], "size": r["size"],
         "tpu_dist µs": _number(r["tpu_dist_us"]), "gloo µs": _number(r["gloo_us"]),
@@ -309,6 +323,7 @@ def render_table(rows: list[dict[str, Any]]) -> str:
         "met": "-" if r["met"] is None else ("yes" if r["met"] else "NO"),
         "ratio of medians": f"{r['median_ratio']:.3f}",
         "IQR/median": f"{r['tpu_dist_iqr']:.0%} / {r['gloo_iqr']:.0%}",
+        "on gloo alone µs": _number(r["tpu_dist_gloo_us"]), "on gloo alone ratio": f"{r['gloo_alone_ratio']:.3f}",
         "rounds x calls": f"{r['rounds']} x {r['calls_per_block']}",
     } for r in rows]
     return report.markdown_table(shown, columns)
@@ -344,8 +359,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path | None:
     for ax, collective in zip(axes[0], collectives):
         mine = sorted((r for r in rows if r["collective"] == collective), key=lambda r: r["bytes"])
         sizes = [r["bytes"] for r in mine]
-        for name, style in (("tpu_dist", "o-"), ("gloo", "s--")):
-            label = "tpu_dist (tpu tensors)" if name == "tpu_dist" else "gloo (cpu tensors)"
+        for name, style, label in (("tpu_dist", "o-", "tpu_dist (tpu tensors, shared memory)"),
+                                   ("tpu_dist_gloo", "^:", "tpu_dist on gloo alone (tpu tensors)"),
+                                   ("gloo", "s--", "gloo (cpu tensors)")):
             ax.plot(sizes, [r[f"{name}_us"] for r in mine], style, label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -368,7 +384,8 @@ def publish(cells: list[dict[str, Any]], world: int, settings: Settings, elapsed
     rows = [summarize_cell(c) for c in cells]
     lines = summaries(rows)
     head = (f"world size {world} on 127.0.0.1; median µs per call over rounds (max over ranks); ratio: median "
-            f"over rounds of tpu_dist / gloo in the same round; "
+            f"over rounds of tpu_dist / gloo in the same round (tpu_dist on shared memory; 'on gloo alone': "
+            f"a tpu_dist group with TORCH_TPU_DIST_TRANSPORT=gloo, as across hosts); "
             f"GB/s = bytes per rank / time; IQR/median of the rounds, tpu_dist / gloo"
             + ("; --quick (a smoke run: too few rounds to judge the targets)" if settings.quick else ""))
     markdown = f"{head}\n\n{render_table(rows)}\n\n" + "\n".join(f"- {s}" for s in lines)

@@ -12,18 +12,28 @@
 // collectives scale their tensors in place (they are the result anyway);
 // reduce-scatters scale a copy, leaving the caller's input as it was.
 //
+// Within one host the ranks of a group share memory: tpu_dist gives the group
+// a shared-memory channel (TpuShmChannel.h, attached from Python when the
+// group is made) and the collectives it carries — all_reduce, broadcast,
+// all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single — run over
+// it on the calling thread and return a completed work. Everything else, and
+// every group that spans hosts, goes to gloo.
+//
 // Registered on request (torch.ops.torch_tpu._register_collectives, when a
 // tpu_dist group is created), not at load: torch has PrivateUse1 kernels for
 // these ops, and replacing them warns, expectedly, so that warning is dropped.
 
 #include "TpuHost.h"
+#include "TpuShmCollectives.h"
 #include "TpuStream.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
 #include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/library.h>
 
 #include <memory>
@@ -147,6 +157,66 @@ void lower_premul_sum(const c10::FunctionSchema& schema, torch::jit::Stack& args
   args[op_index] = c10::make_intrusive<c10d::ReduceOp>(c10d::ReduceOp::SUM);
 }
 
+// A collective that finished on the calling thread. Its future holds the
+// results as CPU tensors on the tpu memory, as gloo's futures do here.
+class DoneWork : public c10d::Work {
+ public:
+  DoneWork(c10d::OpType type, std::vector<at::Tensor> results)
+      : Work(-1, type),
+        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {
+    future_->markCompleted(c10::IValue(std::move(results)));
+    finish();
+  }
+  bool wait(std::chrono::milliseconds /*timeout*/) override { return true; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// Runs the collective on its group's shared-memory channel, if the group has
+// one and carries this op; returns the work, or null to leave it to gloo.
+// `args` hold host views (and PREMUL_SUM already lowered to SUM).
+c10::intrusive_ptr<c10d::Work> run_on_channel(const c10::FunctionSchema& schema, const torch::jit::Stack& args) {
+  auto arg = [&](const char* name) -> const c10::IValue& { return args[*schema.argumentIndexWithName(name)]; };
+  const std::string& op = schema.name();
+  const bool carried = op == "c10d::allreduce_" || op == "c10d::broadcast_" || op == "c10d::_allgather_base_" ||
+      op == "c10d::_reduce_scatter_base_" || op == "c10d::alltoall_base_";
+  if (!carried) return nullptr;
+  auto channel = shm::find(arg("process_group").toCustomClass<c10d::ProcessGroup>()->getGroupName());
+  if (!channel) return nullptr;
+  auto reduce_op = [&] { return arg("reduce_op").toCustomClass<c10d::ReduceOp>()->op_; };
+  const shm::Timeout timeout(arg("timeout").toInt());
+
+  std::lock_guard<std::mutex> lock(channel->mutex());
+  if (op == "c10d::allreduce_" || op == "c10d::broadcast_") {
+    const auto tensors = arg("tensors").toTensorVector();
+    const bool sparse = op == "c10d::allreduce_" && !arg("sparse_indices").isNone();
+    if (tensors.size() != 1 || sparse || (op == "c10d::allreduce_" && !shm::supports(reduce_op()))) return nullptr;
+    if (op == "c10d::allreduce_") {
+      shm::all_reduce(*channel, tensors[0], reduce_op(), timeout);
+      return c10::make_intrusive<DoneWork>(c10d::OpType::ALLREDUCE, tensors);
+    }
+    shm::broadcast(*channel, tensors[0], arg("root_rank").toInt(), timeout);
+    return c10::make_intrusive<DoneWork>(c10d::OpType::BROADCAST, tensors);
+  }
+  if (op == "c10d::alltoall_base_") {
+    const at::Tensor& out = arg("output").toTensor();
+    shm::all_to_all(*channel, out, arg("input").toTensor(), arg("output_split_sizes").toIntVector(),
+                    arg("input_split_sizes").toIntVector(), timeout);
+    return c10::make_intrusive<DoneWork>(c10d::OpType::ALLTOALL_BASE, std::vector<at::Tensor>{out});
+  }
+  const at::Tensor& out = arg("output_tensor").toTensor();
+  const at::Tensor& in = arg("input_tensor").toTensor();
+  if (op == "c10d::_allgather_base_") {
+    shm::all_gather_into(*channel, out, in, timeout);
+    return c10::make_intrusive<DoneWork>(c10d::OpType::_ALLGATHER_BASE, std::vector<at::Tensor>{out});
+  }
+  if (!shm::supports(reduce_op())) return nullptr;
+  shm::reduce_scatter_into(*channel, out, in, reduce_op(), timeout);
+  return c10::make_intrusive<DoneWork>(c10d::OpType::_REDUCE_SCATTER_BASE, std::vector<at::Tensor>{out});
+}
+
 void collective_on_host(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const size_t num_args = schema.arguments().size();
@@ -154,6 +224,15 @@ void collective_on_host(const c10::OperatorHandle& op, c10::DispatchKeySet, torc
   torch::jit::Stack args(stack->end() - num_args, stack->end());
   for (auto& v : args) v = views.to_host(v);
   lower_premul_sum(schema, args);
+  if (auto work = run_on_channel(schema, args)) {
+    // The returns are the caller's tensors (the first argument) and the work.
+    const bool returns_tensors = schema.returns().size() == 2;
+    const c10::IValue tensors = views.to_tpu(args[0]);
+    torch::jit::drop(*stack, num_args);
+    if (returns_tensors) stack->push_back(tensors);
+    stack->push_back(c10::IValue(std::move(work)));
+    return;
+  }
   std::copy(args.begin(), args.end(), stack->end() - num_args);
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
   const size_t num_returns = schema.returns().size();
@@ -191,8 +270,33 @@ void register_collectives() {
 
 } // namespace
 
+// Maps the group's shared-memory segment; false if this process cannot (the
+// segment is on another host), so the group keeps to gloo.
+bool open_shared_memory(const std::string& group, const std::string& path, int64_t rank, int64_t world,
+                        int64_t slot_bytes, bool create, int64_t timeout_ms) {
+  try {
+    shm::attach(group, std::make_shared<shm::Channel>(path, rank, world, slot_bytes, create,
+                                                      std::chrono::milliseconds(timeout_ms)));
+    return true;
+  } catch (const c10::Error&) {
+    return false;
+  }
+}
+
+void close_shared_memory(const std::string& group) {
+  shm::attach(group, nullptr);
+}
+
+bool has_shared_memory(const std::string& group) {
+  return shm::find(group) != nullptr;
+}
+
 TORCH_LIBRARY_FRAGMENT(torch_tpu, m) {
   m.def("_register_collectives() -> ()", register_collectives);
+  m.def("_open_shared_memory(str group, str path, int rank, int world, int slot_bytes, bool create, "
+        "int timeout_ms) -> bool", open_shared_memory);
+  m.def("_close_shared_memory(str group) -> ()", close_shared_memory);
+  m.def("_has_shared_memory(str group) -> bool", has_shared_memory);
 }
 
 } // namespace torch_tpu

@@ -30,6 +30,14 @@ void keep_this_thread_off_openmp() {
 #endif
 }
 
+OneThreadScope::OneThreadScope() : saved_(omp_get_max_threads()) {
+  omp_set_num_threads(1);
+}
+
+OneThreadScope::~OneThreadScope() {
+  omp_set_num_threads(saved_);
+}
+
 } // namespace torch_tpu
 
 // For torch_tpu/threads.py (ctypes): the backend's Python worker threads.

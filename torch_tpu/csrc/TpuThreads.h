@@ -24,4 +24,19 @@ void run_backward_on_this_thread();
 // needs more brings threads of its own.
 void keep_this_thread_off_openmp();
 
+// While alive, ATen's CPU kernels on this thread run on it alone: for work
+// that every process of a host does at the same moment (a collective's
+// reduction), where an OpenMP team in each would put more threads than cores
+// on the machine and leave the teams spinning against each other.
+class OneThreadScope {
+ public:
+  OneThreadScope();
+  ~OneThreadScope();
+  OneThreadScope(const OneThreadScope&) = delete;
+  OneThreadScope& operator=(const OneThreadScope&) = delete;
+
+ private:
+  int saved_;
+};
+
 } // namespace torch_tpu

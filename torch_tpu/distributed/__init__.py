@@ -2,10 +2,13 @@
 
 ``torch.distributed.init_process_group("tpu_dist")`` creates a group whose
 collectives take tpu and cpu tensors (see ``backend``);
-``reduce_scatter_v`` is a reduce-scatter with a chunk size per rank.
+``reduce_scatter_v`` is a reduce-scatter with a chunk size per rank;
+``group_transport`` tells whether a group's ranks share memory (one host) or
+talk through gloo alone.
 """
 
 from torch_tpu.distributed.backend import BACKEND, register
 from torch_tpu.distributed.reduce_scatter_v import reduce_scatter_v
+from torch_tpu.distributed.shared_memory import group_transport
 
-__all__ = ["BACKEND", "reduce_scatter_v", "register"]
+__all__ = ["BACKEND", "group_transport", "reduce_scatter_v", "register"]

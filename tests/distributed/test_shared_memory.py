@@ -1,0 +1,177 @@
+"""tpu_dist's same-host transport: collectives through shared memory, over many rounds, and its errors.
+
+Tensors here are larger than the slot (TORCH_TPU_DIST_SLOT_BYTES=4096), so every
+collective runs over several rounds and both buffer sets; results are checked
+against a local computation from every rank's input, and against gloo.
+"""
+
+from __future__ import annotations
+
+import glob
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing import assert_close
+
+from tests.distributed.harness import assert_all_ok, run_ranks
+from torch_tpu.distributed import group_transport
+from torch_tpu.distributed.shared_memory import requested_transport, slot_bytes
+
+SMALL_SLOT = {"TORCH_TPU_DIST_SLOT_BYTES": "4096"}
+
+
+def rank_input(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Distinct on every rank, known to all; small integers so every dtype holds them exactly."""
+    gen = torch.Generator().manual_seed(1000 + rank)
+    return torch.randint(-8, 9, (n,), generator=gen).to(dtype)
+
+
+def tpu(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.device("tpu", torch.tpu.current_device()))
+
+
+def check(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.device.type == "tpu", actual.device
+    assert_close(actual.cpu(), expected, rtol=0, atol=0)
+
+
+def many_rounds(rank: int, world: int) -> str:
+    assert group_transport() == "shared_memory"
+    n = 5000  # 20 KB of float32: 5 rounds of a 4 KiB slot
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        inputs = torch.stack([rank_input(r, n, dtype) for r in range(world)])
+        for op, want in ((dist.ReduceOp.SUM, inputs.sum(0, dtype=dtype)), (dist.ReduceOp.MAX, inputs.amax(0)),
+                         (dist.ReduceOp.MIN, inputs.amin(0))):
+            x = tpu(inputs[rank])
+            dist.all_reduce(x, op=op)
+            check(x, want)
+    ints = torch.stack([rank_input(r, n, torch.int32) for r in range(world)])
+    for op, fold in ((dist.ReduceOp.BAND, torch.bitwise_and), (dist.ReduceOp.BOR, torch.bitwise_or),
+                     (dist.ReduceOp.BXOR, torch.bitwise_xor)):
+        x = tpu(ints[rank])
+        dist.all_reduce(x, op=op)
+        want = ints[0]
+        for r in range(1, world):
+            want = fold(want, ints[r])
+        check(x, want)
+
+    floats = torch.stack([rank_input(r, n, torch.float64) for r in range(world)])
+    x = tpu(floats[rank])
+    dist.all_reduce(x, op=dist.ReduceOp.AVG)
+    check(x, floats.sum(0) / world)
+    x = tpu(floats[rank] / 8 + 1)
+    dist.all_reduce(x, op=dist.ReduceOp.PRODUCT)
+    check(x, (floats / 8 + 1).prod(0))
+
+    x = tpu(rank_input(rank, n, torch.float32))
+    dist.broadcast(x, src=world - 1)
+    check(x, rank_input(world - 1, n, torch.float32))
+
+    gathered = tpu(torch.empty(world * n))
+    dist.all_gather_into_tensor(gathered, tpu(rank_input(rank, n, torch.float32)))
+    check(gathered, torch.cat([rank_input(r, n, torch.float32) for r in range(world)]))
+    # In place, as FSDP2 gathers: the input is this rank's block of the output.
+    gathered = tpu(torch.zeros(world * n))
+    gathered[rank * n:(rank + 1) * n] = tpu(rank_input(rank, n, torch.float32))
+    dist.all_gather_into_tensor(gathered, gathered[rank * n:(rank + 1) * n])
+    check(gathered, torch.cat([rank_input(r, n, torch.float32) for r in range(world)]))
+
+    full = torch.stack([rank_input(r, world * n, torch.float32) for r in range(world)])
+    out = tpu(torch.empty(n))
+    dist.reduce_scatter_tensor(out, tpu(full[rank]))
+    check(out, full.sum(0)[rank * n:(rank + 1) * n])
+
+    # Uneven all_to_all of 2-column rows: rank s sends (s + d) * 700 % 2500 rows to rank d,
+    # from none to more than a round's share of the slot.
+    def rows(s: int, d: int) -> int:
+        return (s + d) * 700 % 2500
+
+    sends = [[rows(s, d) for d in range(world)] for s in range(world)]
+    sources = [rank_input(s, 2 * sum(sends[s]), torch.float32).reshape(-1, 2) for s in range(world)]
+    recv = [sends[s][rank] for s in range(world)]
+    out = tpu(torch.empty(sum(recv), 2))
+    dist.all_to_all_single(out, tpu(sources[rank]), output_split_sizes=recv, input_split_sizes=sends[rank])
+    check(out, torch.cat([sources[s][sum(sends[s][:rank]):sum(sends[s][:rank + 1])] for s in range(world)]))
+    return "ok"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_collectives_over_many_rounds_match_local_computation(world_size):
+    before = set(glob.glob("/dev/shm/torch_tpu_dist_*"))
+    assert assert_all_ok(run_ranks(many_rounds, world_size, env=SMALL_SLOT)) == ["ok"] * world_size
+    assert set(glob.glob("/dev/shm/torch_tpu_dist_*")) == before  # no segment name outlives its group
+
+
+def bits_of_a_step(rank: int, world: int) -> tuple[str, list[torch.Tensor]]:
+    """What a DDP / FSDP2 / sharded-embedding step's collectives return, on this rank."""
+    n = 3000
+    x = tpu(rank_input(rank, n, torch.float32) / 3)
+    dist.all_reduce(x)
+    gathered = tpu(torch.empty(world * n))
+    dist.all_gather_into_tensor(gathered, tpu(rank_input(rank, n, torch.float32)))
+    out = tpu(torch.empty(n))
+    dist.reduce_scatter_tensor(out, tpu(rank_input(rank, world * n, torch.float32) / 7))
+    moved = tpu(torch.empty(world * 50))
+    dist.all_to_all_single(moved, tpu(rank_input(rank, world * 50, torch.float32)))
+    return group_transport(), [t.cpu() for t in (x, gathered, out, moved)]
+
+
+def test_shared_memory_and_gloo_agree():
+    shared = assert_all_ok(run_ranks(bits_of_a_step, 2, env=SMALL_SLOT))
+    alone = assert_all_ok(run_ranks(bits_of_a_step, 2, env={"TORCH_TPU_DIST_TRANSPORT": "gloo"}))
+    assert [t for t, _ in shared] == ["shared_memory"] * 2 and [t for t, _ in alone] == ["gloo"] * 2
+    for (_, mine), (_, theirs) in zip(shared, alone):
+        for a, b in zip(mine, theirs):
+            assert_close(a, b)  # sums in another order: equal to rounding
+    # Every rank reduces in rank order, so the ranks hold the same bits.
+    assert torch.equal(shared[0][1][0], shared[1][1][0])
+
+
+def calls_disagree(rank: int, world: int, case: str) -> str:
+    try:
+        if case == "collective":
+            x = tpu(torch.ones(4))
+            dist.all_reduce(x) if rank == 0 else dist.broadcast(x, src=0)
+        elif case == "dtype":
+            dist.all_reduce(tpu(torch.ones(4, dtype=torch.float32 if rank == 0 else torch.float64)))
+        else:  # all_to_all splits: rank 0 expects 3 rows from rank 1, which sends 2
+            out = tpu(torch.empty(5 if rank == 0 else 4))
+            dist.all_to_all_single(out, tpu(torch.ones(4)), output_split_sizes=[2, 3] if rank == 0 else [2, 2],
+                                   input_split_sizes=[2, 2])
+    except RuntimeError as e:
+        first = str(e)
+    else:
+        return "completed"
+    try:  # the group refuses further work: its ranks are out of step
+        dist.all_reduce(tpu(torch.ones(4)))
+    except RuntimeError as e:
+        return first + "\nTHEN " + str(e)
+    return first + "\nTHEN completed"
+
+
+@pytest.mark.parametrize("case,names", [
+    ("collective", ["rank 0: all_reduce SUM of Float[4]", "rank 1: broadcast from rank 0 of Float[4]"]),
+    ("dtype", ["rank 0: all_reduce SUM of Float[4]", "rank 1: all_reduce SUM of Double[4]"]),
+    ("splits", ["rank 0: all_to_all_single of Float[4] sending [8, 8] bytes, receiving [8, 12] bytes",
+                "rank 1: all_to_all_single of Float[4] sending [8, 8] bytes, receiving [8, 8] bytes"]),
+])
+def test_calls_that_disagree_fail_every_rank_with_each_ranks_call(case, names):
+    results = assert_all_ok(run_ranks(calls_disagree, 2, case, group_timeout_s=20, timeout_s=60))
+    for value in results:
+        first, then = value.split("\nTHEN ")
+        assert "the ranks' calls disagree" in first, first
+        for name in names:
+            assert name in first, first
+        assert "failed earlier and its ranks are out of step" in then, then
+
+
+def test_transport_settings_are_checked(monkeypatch):
+    monkeypatch.setenv("TORCH_TPU_DIST_TRANSPORT", "infiniband")
+    with pytest.raises(ValueError, match="TORCH_TPU_DIST_TRANSPORT='infiniband': expected one of auto, gloo"):
+        requested_transport()
+    monkeypatch.setenv("TORCH_TPU_DIST_SLOT_BYTES", "12k")
+    with pytest.raises(ValueError, match="TORCH_TPU_DIST_SLOT_BYTES='12k': expected a whole number of bytes"):
+        slot_bytes()
+    monkeypatch.setenv("TORCH_TPU_DIST_SLOT_BYTES", "8192")
+    assert slot_bytes() == 8192
