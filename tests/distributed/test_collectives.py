@@ -200,6 +200,10 @@ def variable_reduce_scatter(rank: int, world: int) -> str:
     check(out, torch.stack([i[own] for i in inputs]).amax(0))
     reduce_scatter_v(out, on_tpu(inputs[rank]), splits, op=dist.ReduceOp.AVG)
     check(out, sum(i[own] for i in inputs) / world)
+    ints = [(i * 4).to(torch.int32) for i in inputs]
+    int_out = on_tpu(torch.empty(splits[rank], 2, dtype=torch.int32))
+    reduce_scatter_v(int_out, on_tpu(ints[rank]), splits, op=dist.ReduceOp.AVG)
+    check(int_out, torch.div(sum(i[own].long() for i in ints), world, rounding_mode="trunc").int())
     for op, reduce in ((dist.ReduceOp.MIN, lambda t: t.amin(0)), (dist.ReduceOp.PRODUCT, lambda t: t.prod(0))):
         reduce_scatter_v(out, on_tpu(inputs[rank]), splits, op=op)
         check(out, reduce(torch.stack([i[own] for i in inputs])))

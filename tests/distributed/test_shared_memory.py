@@ -8,6 +8,7 @@ against a local computation from every rank's input, and against gloo.
 from __future__ import annotations
 
 import glob
+import os
 
 import pytest
 import torch
@@ -60,6 +61,9 @@ def many_rounds(rank: int, world: int) -> str:
     x = tpu(floats[rank])
     dist.all_reduce(x, op=dist.ReduceOp.AVG)
     check(x, floats.sum(0) / world)
+    x = tpu(ints[rank].long())
+    dist.all_reduce(x, op=dist.ReduceOp.AVG)  # integers divide with truncation
+    check(x, torch.div(ints.long().sum(0), world, rounding_mode="trunc"))
     x = tpu(floats[rank] / 8 + 1)
     dist.all_reduce(x, op=dist.ReduceOp.PRODUCT)
     check(x, (floats / 8 + 1).prod(0))
@@ -103,67 +107,92 @@ def test_collectives_over_many_rounds_match_local_computation(world_size):
     assert set(glob.glob("/dev/shm/torch_tpu_dist_*")) == before  # no segment name outlives its group
 
 
-def bits_of_a_step(rank: int, world: int) -> tuple[str, list[torch.Tensor]]:
+def gloo_alone_group() -> dist.ProcessGroup:
+    """A tpu_dist group whose ranks use gloo alone (the transport is read when a group is made)."""
+    os.environ["TORCH_TPU_DIST_TRANSPORT"] = "gloo"
+    try:
+        return dist.new_group(backend="tpu_dist")
+    finally:
+        del os.environ["TORCH_TPU_DIST_TRANSPORT"]
+
+
+def bits_of_a_step(rank: int, world: int, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
     """What a DDP / FSDP2 / sharded-embedding step's collectives return, on this rank."""
     n = 3000
     x = tpu(rank_input(rank, n, torch.float32) / 3)
-    dist.all_reduce(x)
+    dist.all_reduce(x, group=group)
     gathered = tpu(torch.empty(world * n))
-    dist.all_gather_into_tensor(gathered, tpu(rank_input(rank, n, torch.float32)))
+    dist.all_gather_into_tensor(gathered, tpu(rank_input(rank, n, torch.float32)), group=group)
     out = tpu(torch.empty(n))
-    dist.reduce_scatter_tensor(out, tpu(rank_input(rank, world * n, torch.float32) / 7))
+    dist.reduce_scatter_tensor(out, tpu(rank_input(rank, world * n, torch.float32) / 7), group=group)
     moved = tpu(torch.empty(world * 50))
-    dist.all_to_all_single(moved, tpu(rank_input(rank, world * 50, torch.float32)))
-    return group_transport(), [t.cpu() for t in (x, gathered, out, moved)]
+    dist.all_to_all_single(moved, tpu(rank_input(rank, world * 50, torch.float32)), group=group)
+    return [t.cpu() for t in (x, gathered, out, moved)]
+
+
+def both_transports(rank: int, world: int) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
+    alone = gloo_alone_group()
+    transports = [group_transport(), group_transport(alone)]
+    return transports, bits_of_a_step(rank, world, None), bits_of_a_step(rank, world, alone)
 
 
 def test_shared_memory_and_gloo_agree():
-    shared = assert_all_ok(run_ranks(bits_of_a_step, 2, env=SMALL_SLOT))
-    alone = assert_all_ok(run_ranks(bits_of_a_step, 2, env={"TORCH_TPU_DIST_TRANSPORT": "gloo"}))
-    assert [t for t, _ in shared] == ["shared_memory"] * 2 and [t for t, _ in alone] == ["gloo"] * 2
-    for (_, mine), (_, theirs) in zip(shared, alone):
-        for a, b in zip(mine, theirs):
+    results = assert_all_ok(run_ranks(both_transports, 2, env=SMALL_SLOT))
+    for transports, shared, alone in results:
+        assert transports == ["shared_memory", "gloo"]
+        for a, b in zip(shared, alone):
             assert_close(a, b)  # sums in another order: equal to rounding
     # Every rank reduces in rank order, so the ranks hold the same bits.
-    assert torch.equal(shared[0][1][0], shared[1][1][0])
+    assert torch.equal(results[0][1][0], results[1][1][0])
 
 
-def calls_disagree(rank: int, world: int, case: str) -> str:
-    try:
-        if case == "collective":
-            x = tpu(torch.ones(4))
-            dist.all_reduce(x) if rank == 0 else dist.broadcast(x, src=0)
-        elif case == "dtype":
-            dist.all_reduce(tpu(torch.ones(4, dtype=torch.float32 if rank == 0 else torch.float64)))
-        else:  # all_to_all splits: rank 0 expects 3 rows from rank 1, which sends 2
-            out = tpu(torch.empty(5 if rank == 0 else 4))
-            dist.all_to_all_single(out, tpu(torch.ones(4)), output_split_sizes=[2, 3] if rank == 0 else [2, 2],
-                                   input_split_sizes=[2, 2])
-    except RuntimeError as e:
-        first = str(e)
-    else:
-        return "completed"
-    try:  # the group refuses further work: its ranks are out of step
-        dist.all_reduce(tpu(torch.ones(4)))
-    except RuntimeError as e:
-        return first + "\nTHEN " + str(e)
-    return first + "\nTHEN completed"
+def call_that_disagrees(rank: int, case: str, group: dist.ProcessGroup) -> None:
+    if case == "collective":
+        x = tpu(torch.ones(4))
+        dist.all_reduce(x, group=group) if rank == 0 else dist.broadcast(x, src=0, group=group)
+    elif case == "dtype":
+        dist.all_reduce(tpu(torch.ones(4, dtype=torch.float32 if rank == 0 else torch.float64)), group=group)
+    else:  # all_to_all splits: rank 0 expects 3 rows from rank 1, which sends 2
+        out = tpu(torch.empty(5 if rank == 0 else 4))
+        dist.all_to_all_single(out, tpu(torch.ones(4)), output_split_sizes=[2, 3] if rank == 0 else [2, 2],
+                               input_split_sizes=[2, 2], group=group)
 
 
-@pytest.mark.parametrize("case,names", [
-    ("collective", ["rank 0: all_reduce SUM of Float[4]", "rank 1: broadcast from rank 0 of Float[4]"]),
-    ("dtype", ["rank 0: all_reduce SUM of Float[4]", "rank 1: all_reduce SUM of Double[4]"]),
-    ("splits", ["rank 0: all_to_all_single of Float[4] sending [8, 8] bytes, receiving [8, 12] bytes",
-                "rank 1: all_to_all_single of Float[4] sending [8, 8] bytes, receiving [8, 8] bytes"]),
-])
-def test_calls_that_disagree_fail_every_rank_with_each_ranks_call(case, names):
-    results = assert_all_ok(run_ranks(calls_disagree, 2, case, group_timeout_s=20, timeout_s=60))
-    for value in results:
-        first, then = value.split("\nTHEN ")
-        assert "the ranks' calls disagree" in first, first
-        for name in names:
-            assert name in first, first
-        assert "failed earlier and its ranks are out of step" in then, then
+def calls_disagree(rank: int, world: int) -> dict[str, str]:
+    """Each case on a group of its own: the error, then what the next collective on that group says."""
+    reports = {}
+    for case in DISAGREEMENTS:
+        group = dist.new_group(backend="tpu_dist")
+        try:
+            call_that_disagrees(rank, case, group)
+            reports[case] = "completed"
+            continue
+        except RuntimeError as e:
+            first = str(e)
+        try:  # the group refuses further work: its ranks are out of step
+            dist.all_reduce(tpu(torch.ones(4)), group=group)
+            reports[case] = first + "\nTHEN completed"
+        except RuntimeError as e:
+            reports[case] = first + "\nTHEN " + str(e)
+    return reports
+
+
+DISAGREEMENTS = {
+    "collective": ["rank 0: all_reduce SUM of Float[4]", "rank 1: broadcast from rank 0 of Float[4]"],
+    "dtype": ["rank 0: all_reduce SUM of Float[4]", "rank 1: all_reduce SUM of Double[4]"],
+    "splits": ["rank 0: all_to_all_single of Float[4] sending [8, 8] bytes, receiving [8, 12] bytes",
+               "rank 1: all_to_all_single of Float[4] sending [8, 8] bytes, receiving [8, 8] bytes"],
+}
+
+
+def test_calls_that_disagree_fail_every_rank_with_each_ranks_call():
+    for reports in assert_all_ok(run_ranks(calls_disagree, 2, group_timeout_s=20, timeout_s=90)):
+        for case, names in DISAGREEMENTS.items():
+            first, then = reports[case].split("\nTHEN ")
+            assert "the ranks' calls disagree" in first, first
+            for name in names:
+                assert name in first, first
+            assert "failed earlier and its ranks are out of step" in then, then
 
 
 def test_transport_settings_are_checked(monkeypatch):

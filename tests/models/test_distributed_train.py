@@ -53,8 +53,10 @@ def single_process(tmp_path_factory) -> list[dict]:
     return run(["--pipeline", "none"], tmp_path_factory.mktemp("single") / "metrics.jsonl", 1)  # the plain loop
 
 
-@pytest.mark.parametrize("kind", ["default", "table_wise", "row_wise", "column_wise", "table_row_wise",
-                                  "data_parallel", "fsdp2"])
+# column_wise, table_row_wise and data_parallel run under `make test-all` (the module-level
+# tests of tests/distributed/test_sharded_embeddings.py cover them in CI).
+@pytest.mark.parametrize("kind", ["default", "table_wise", "row_wise", "fsdp2"] + [
+    pytest.param(k, marks=pytest.mark.slow) for k in ("column_wise", "table_row_wise", "data_parallel")])
 def test_two_ranks_train_as_one_process(kind, tmp_path, single_process):
     args = ["--dense-parallel", "fsdp2"] if kind == "fsdp2" else []  # fsdp2: the default plan
     if kind not in ("default", "fsdp2"):

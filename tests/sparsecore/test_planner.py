@@ -132,7 +132,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=120, cwd=ROOT)
 
 
-@pytest.mark.parametrize("fmt", ["csv", "json", "yaml"])
+@pytest.mark.parametrize("fmt", ["json"] + [pytest.param(f, marks=pytest.mark.slow) for f in ("csv", "yaml")])
 def test_cli_end_to_end(fmt, tmp_path):
     paths = write_inputs(tmp_path)
     out = cli("--tables", str(paths[fmt]), "--topology", "v5p:4", "--batch-size", "4096", "--out",

@@ -30,6 +30,15 @@ at::Tensor rounded(const at::Tensor& t) {
   return rows || cols ? r : r.contiguous();
 }
 
+// oneDNN's bf16 math mode needs AVX512 BW/VL/DQ (or AVX-NE-CONVERT, which
+// this check leaves to the rounding path): on an AVX2-only CPU ATen raises
+// "mkldnn_matmul bf16 path needs the cpu support ...".
+bool onednn_bf16_available() {
+  static const bool available = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq");
+  return available;
+}
+
 // The oneDNN math mode is a process-wide setting that ATen reads when it
 // builds the primitive: set it for this call only, one call at a time.
 std::mutex& mode_mutex() {
@@ -47,8 +56,8 @@ at::Tensor bf16_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
   }
   const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
   TORCH_CHECK(b.size(0) == k, "mat1 and mat2 shapes cannot be multiplied (", m, "x", k, " and ", b.size(0), "x", n, ")");
-  if (m == 0 || n == 0 || k == 0) {
-    return {};
+  if (m == 0 || n == 0 || k == 0 || !(bf16_kernel_available() || onednn_bf16_available())) {
+    return {};  // the caller's rounding path
   }
   at::Tensor out;
   float gemm_beta = 0.0f;

@@ -50,8 +50,11 @@ inline uint32_t bf16_bits(uint32_t x) {
 } // namespace
 
 at::Tensor round_to_bf16(const at::Tensor& t) {
-  if (t.scalar_type() != at::kFloat || !t.is_non_overlapping_and_dense()) {
+  if (t.scalar_type() != at::kFloat) {
     return at::_to_copy(at::_to_copy(t, at::kBFloat16), at::kFloat);
+  }
+  if (!t.is_non_overlapping_and_dense()) {
+    return round_to_bf16(t.contiguous());  // a bf16 round trip would keep subnormals
   }
   // One pass over the memory the tensor spans (dense: numel elements from
   // its data pointer), into a tensor of the same strides: the operands of

@@ -181,7 +181,7 @@ void reduce_into(at::Tensor out, const std::vector<at::Tensor>& parts, ReduceOp:
     for (size_t i = 2; i < parts.size(); ++i) combine(out, out, parts[i], op);
   }
   if (op == ReduceOp::AVG) {
-    const auto world = at::scalar_tensor(static_cast<int64_t>(parts.size()));
+    const auto world = at::scalar_tensor(static_cast<int64_t>(parts.size()), at::kLong);
     const bool exact = at::isIntegralType(out.scalar_type(), /*includeBool=*/true);
     at::cpu::div_out(out, out, world, exact ? std::optional<c10::string_view>("trunc") : std::nullopt);
   }

@@ -15,9 +15,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+def _average(blocks: torch.Tensor) -> torch.Tensor:
+    """The mean of the blocks; integers divide with truncation, as tpu_dist's all_reduce AVG does."""
+    total = blocks.sum(dim=0)
+    exact = total.is_floating_point() or total.is_complex()
+    return total.div_(blocks.size(0), rounding_mode=None if exact else "trunc")
+
+
 _REDUCTIONS = {
     ReduceOp.SUM: lambda blocks: blocks.sum(dim=0),
-    ReduceOp.AVG: lambda blocks: blocks.sum(dim=0).div_(blocks.size(0)),
+    ReduceOp.AVG: _average,
     ReduceOp.PRODUCT: lambda blocks: blocks.prod(dim=0),
     ReduceOp.MIN: lambda blocks: blocks.amin(dim=0),
     ReduceOp.MAX: lambda blocks: blocks.amax(dim=0),
