@@ -28,17 +28,17 @@ median over rounds of tpu_dist's block time over gloo's in the same round (the
 sides run back to back, so they share the machine's drift); the gloo-alone
 side gets its own paired ratio, without a target. GB/s is the algorithmic bandwidth, bytes per rank's tensor / time.
 
-Rounds: the round-to-round spread here is 20-60%, so the median ratio's error
-over 61 rounds is about 5%, the size of the bandwidth target itself; the
-default allows up to DEFAULT_ROUNDS, and the 10 s cell budget gives about a
-hundred to each cell.
+Rounds: the round-to-round spread here is 20-60% (more for the shared-memory
+side's few-microsecond calls), so the median ratio's error over 61 rounds is
+about 5%; the default allows up to DEFAULT_ROUNDS, and the 10 s cell budget
+gives about 65 to each cell of the three sides.
 
 Targets (time ratio tpu_dist / gloo, printed beside the numbers):
   4 KiB - 64 KiB (per-call overhead)   <= 1.20
   >= 1 MiB (bandwidth)                 <= 1.05
 256 KiB is measured but has no target.
 
-The full run takes about 2 minutes on the 2-core development machine
+The full run takes about 2 minutes (3 ranks: about 2.5) on the 2-core development machine
 (--quick, a smoke run of every size with a few short rounds: about 15 s). Rank 0 writes
 ``benchmarks/results/collectives.{json,md,png}``. The launcher has a deadline
 (``--timeout``): past it every rank is killed and the run exits non-zero.
@@ -70,7 +70,7 @@ KiB, MiB = 2**10, 2**20
 SIZES = [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
 COLLECTIVES = ("all_reduce", "all_to_all_single")
 SIDES = ("tpu_dist", "gloo", "tpu_dist_gloo")  # the last: tpu_dist with TORCH_TPU_DIST_TRANSPORT=gloo
-DEFAULT_ROUNDS = 241  # the cell budget stops most cells near 100 (module docstring)
+DEFAULT_ROUNDS = 241  # the cell budget stops most cells near 65 (module docstring)
 ELEMENT_BYTES = 4  # float32
 
 
