@@ -163,14 +163,22 @@ class DoneWork : public c10d::Work {
  public:
   DoneWork(c10d::OpType type, std::vector<at::Tensor> results)
       : Work(-1, type),
+        results_(std::move(results)),
         future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {
-    future_->markCompleted(c10::IValue(std::move(results)));
+    future_->markCompleted(c10::IValue(results_));
     finish();
   }
   bool wait(std::chrono::milliseconds /*timeout*/) override { return true; }
+  std::vector<at::Tensor> result() override { return results_; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFutureResult() override {
+    auto done = c10::make_intrusive<c10::ivalue::Future>(c10::IntType::get());
+    done->markCompleted(c10::IValue(static_cast<int64_t>(c10d::WorkResult::SUCCESS)));
+    return done;
+  }
 
  private:
+  std::vector<at::Tensor> results_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 

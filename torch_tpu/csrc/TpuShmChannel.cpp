@@ -38,6 +38,11 @@ int64_t round_up(int64_t n, int64_t to) {
   return (n + to - 1) / to * to;
 }
 
+// Collectives that split a slot among the peers give each a share of whole lines.
+bool share_fits(int64_t slot_bytes, int world) {
+  return slot_bytes / world >= kLine;
+}
+
 void cpu_relax() {
 #if defined(__x86_64__)
   _mm_pause();
@@ -90,30 +95,36 @@ Channel::Channel(const std::string& path, int rank, int world, int64_t slot_byte
   slots_offset_ = round_up(headers_offset_ + 2 * world * header_stride_, kPage);
   size_ = slots_offset_ + 2 * world * slot_bytes_;
 
+  TORCH_CHECK(share_fits(slot_bytes_, world), "tpu_dist: a slot of ", slot_bytes_, " bytes is too small for ",
+              world, " ranks (", kLine, " bytes a peer at least)");
   const int fd = create ? open(path.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600) : open(path.c_str(), O_RDWR);
   TORCH_CHECK(fd >= 0, "tpu_dist: cannot ", create ? "create" : "open", " the shared-memory segment ", path, ": ",
               std::strerror(errno));
-  if (create && ftruncate(fd, size_) != 0) {
-    const int err = errno;
-    close(fd);
-    TORCH_CHECK(false, "tpu_dist: cannot size the shared-memory segment ", path, " to ", size_, " bytes: ",
-                std::strerror(err));
-  }
+  // Allocated now, not on first touch: a full /dev/shm then fails here (and
+  // the group keeps to gloo) instead of killing a rank with SIGBUS mid-copy.
+  const int err = create ? posix_fallocate(fd, 0, size_) : 0;
   struct stat st{};
-  fstat(fd, &st);
-  void* p = st.st_size >= size_ ? mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
-  const int err = errno;
+  const bool sized = err == 0 && fstat(fd, &st) == 0 && st.st_size >= size_;
+  void* p = sized ? mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+  const int map_err = errno;
   close(fd);
-  TORCH_CHECK(p != MAP_FAILED, "tpu_dist: cannot map the shared-memory segment ", path, " (", st.st_size,
-              " bytes, ", size_, " needed): ", std::strerror(err));
+  if (p == MAP_FAILED && create) unlink(path.c_str());
+  TORCH_CHECK(err == 0, "tpu_dist: cannot allocate ", size_, " bytes for the shared-memory segment ", path, ": ",
+              std::strerror(err));
+  TORCH_CHECK(sized, "tpu_dist: the shared-memory segment ", path, " has ", st.st_size, " bytes, ", size_,
+              " needed (made for another group?)");
+  TORCH_CHECK(p != MAP_FAILED, "tpu_dist: cannot map the shared-memory segment ", path, ": ", std::strerror(map_err));
   base_ = static_cast<char*>(p);
   if (create) {
     control()->magic = kMagic;
     control()->world = world;
     control()->slot_bytes = slot_bytes_;
   }
-  TORCH_CHECK(control()->magic == kMagic && control()->world == world && control()->slot_bytes == slot_bytes_,
-              "tpu_dist: the shared-memory segment ", path, " was made for another group");
+  if (control()->magic != kMagic || control()->world != world || control()->slot_bytes != slot_bytes_) {
+    munmap(base_, size_);
+    base_ = nullptr;
+    TORCH_CHECK(false, "tpu_dist: the shared-memory segment ", path, " was made for another group");
+  }
   pids()[rank] = static_cast<int32_t>(getpid());
 }
 
@@ -197,18 +208,18 @@ void Channel::barrier(const char* what, std::chrono::milliseconds timeout) {
     const auto late = missing(epoch);
     if (late.empty()) return;
     for (int r : late) {
-      if (process_gone(pids()[r])) fail_wait(what, epoch, false);
+      if (process_gone(pids()[r])) fail_wait(what, epoch, std::nullopt);
     }
-    if (Clock::now() >= deadline) fail_wait(what, epoch, true);
+    if (Clock::now() >= deadline) fail_wait(what, epoch, timeout);
   }
 }
 
-void Channel::fail_wait(const char* what, uint64_t epoch, bool timed_out) {
+void Channel::fail_wait(const char* what, uint64_t epoch, std::optional<std::chrono::milliseconds> timed_out) {
   const auto late = missing(epoch);
   std::ostringstream why;
   why << "tpu_dist " << what << " on rank " << rank_ << ": ";
   if (timed_out) {
-    why << "timed out after " << timeout_.count() << " ms waiting for rank(s) " << join(late)
+    why << "timed out after " << timed_out->count() << " ms waiting for rank(s) " << join(late)
         << " (they never entered this collective: stopped, stuck, or calling a different one)";
   } else {
     std::vector<int> gone;
@@ -240,7 +251,11 @@ std::unordered_map<std::string, std::shared_ptr<Channel>>& registry() {
 
 void attach(const std::string& group, std::shared_ptr<Channel> channel) {
   std::lock_guard<std::mutex> lock(registry_mutex);
-  registry()[group] = std::move(channel);
+  if (channel) {
+    registry()[group] = std::move(channel);
+  } else {
+    registry().erase(group);
+  }
 }
 
 std::shared_ptr<Channel> find(const std::string& group) {

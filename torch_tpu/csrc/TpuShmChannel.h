@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -84,7 +85,8 @@ class Channel {
   int32_t* pids() const;
   bool all_arrived(uint64_t epoch) const;
   std::vector<int> missing(uint64_t epoch) const;
-  [[noreturn]] void fail_wait(const char* what, uint64_t epoch, bool timed_out);
+  // timed_out: the wait's timeout; nullopt when a peer's process is gone.
+  [[noreturn]] void fail_wait(const char* what, uint64_t epoch, std::optional<std::chrono::milliseconds> timed_out);
 
   int rank_;
   int world_;
@@ -102,7 +104,8 @@ class Channel {
   std::string broken_;
 };
 
-// Channels by process-group name (c10d::ProcessGroup::getGroupName()).
+// Channels by process-group name (c10d::ProcessGroup::getGroupName());
+// attaching null removes the group's channel (unmapped once no collective holds it).
 void attach(const std::string& group, std::shared_ptr<Channel> channel);
 std::shared_ptr<Channel> find(const std::string& group);
 

@@ -329,6 +329,10 @@ void all_to_all(Channel& ch, const at::Tensor& output, const at::Tensor& input, 
   const int me = ch.rank();
   TORCH_CHECK(output.scalar_type() == input.scalar_type(), "tpu_dist all_to_all_single: input ",
               input.scalar_type(), " and output ", output.scalar_type(), " must have the same dtype");
+  const char* in_begin = bytes_of(input);
+  const char* out_begin = bytes_of(output);
+  TORCH_CHECK(out_begin + output.nbytes() <= in_begin || in_begin + input.nbytes() <= out_begin,
+              "tpu_dist all_to_all_single: the output must not overlap the input (later rounds still send it)");
   std::vector<int64_t> send = split_bytes(input, input_splits, world, "input");
   std::vector<int64_t> recv = split_bytes(output, output_splits, world, "output");
   const std::vector<int64_t> send_at = starts(send);

@@ -57,6 +57,8 @@ def attach(store: dist.Store, rank: int, world_size: int, group_name: str,
 
     Returns whether the group uses it. ``store`` is the group's own (prefixed) store.
     """
+    # A destroyed group of the same name (torch reuses names) leaves its channel behind.
+    torch.ops.torch_tpu._close_shared_memory(group_name)
     if world_size == 1 or requested_transport() == "gloo" or dist.get_debug_level() == dist.DebugLevel.DETAIL:
         # DETAIL wraps the backend to check every call; that needs the calls to reach gloo.
         return False
@@ -64,18 +66,24 @@ def attach(store: dist.Store, rank: int, world_size: int, group_name: str,
     timeout_ms = int(timeout.total_seconds() * 1000)
     if rank == 0:
         path = os.path.join(_DIRECTORY, f"torch_tpu_dist_{uuid.uuid4().hex}")
-        store.set("tpu_dist/shm/path", path)
+        opened = torch.ops.torch_tpu._open_shared_memory(group_name, path, rank, world_size, size, True, timeout_ms)
+        store.set("tpu_dist/shm/path", path if opened else "")  # only once the segment is whole
     else:
         path = store.get("tpu_dist/shm/path").decode()
-    opened = torch.ops.torch_tpu._open_shared_memory(group_name, path, rank, world_size, size, rank == 0,
-                                                    timeout_ms)
-    store.set(f"tpu_dist/shm/opened/{rank}", "1" if opened else "0")
+        opened = bool(path) and torch.ops.torch_tpu._open_shared_memory(group_name, path, rank, world_size, size,
+                                                                         False, timeout_ms)
+    # Waiters tell a dead peer by its process id, so every rank must see the others' processes
+    # (ranks in other pid namespaces but one /dev/shm keep to gloo).
+    store.set(f"tpu_dist/shm/pid/{rank}", str(os.getpid()))
+    visible = all(os.path.exists(f"/proc/{int(store.get(f'tpu_dist/shm/pid/{r}'))}") for r in range(world_size))
+    store.set(f"tpu_dist/shm/opened/{rank}", "1" if opened and visible else "0")
     everyone = all(store.get(f"tpu_dist/shm/opened/{r}") == b"1" for r in range(world_size))
     if rank == 0 and opened:
         os.unlink(path)  # every rank has mapped it, or given up on it
     if not everyone:
         torch.ops.torch_tpu._close_shared_memory(group_name)
-        logger.info("tpu_dist: group %r spans hosts; gloo carries all its collectives", group_name)
+        logger.info("tpu_dist: group %r keeps to gloo: not every rank could share memory with the others "
+                    "(ranks on several hosts, or a full %s)", group_name, _DIRECTORY)
         return False
     logger.debug("tpu_dist: group %r (rank %d of %d) on shared memory, %d bytes a slot",
                  group_name, rank, world_size, size)
