@@ -150,6 +150,8 @@ def call_that_disagrees(rank: int, case: str, group: dist.ProcessGroup) -> None:
     if case == "collective":
         x = tpu(torch.ones(4))
         dist.all_reduce(x, group=group) if rank == 0 else dist.broadcast(x, src=0, group=group)
+    elif case == "output":  # rank 1's output is too short: it raises, and so must rank 0 (no wait for a timeout)
+        dist.all_gather_into_tensor(tpu(torch.empty(8 if rank == 0 else 7)), tpu(torch.ones(4)), group=group)
     elif case == "dtype":
         dist.all_reduce(tpu(torch.ones(4, dtype=torch.float32 if rank == 0 else torch.float64)), group=group)
     else:  # all_to_all splits: rank 0 expects 3 rows from rank 1, which sends 2
@@ -178,6 +180,8 @@ def calls_disagree(rank: int, world: int) -> dict[str, str]:
 
 
 DISAGREEMENTS = {
+    "output": ["a rank's arguments are wrong, so no rank can complete the collective (rank 1: tpu_dist "
+               "all_gather_into_tensor: the output must hold world size (2) times the input's elements"],
     "collective": ["rank 0: all_reduce SUM of Float[4]", "rank 1: broadcast from rank 0 of Float[4]"],
     "dtype": ["rank 0: all_reduce SUM of Float[4]", "rank 1: all_reduce SUM of Double[4]"],
     "splits": ["rank 0: all_to_all_single of Float[4] sending [8, 8] bytes, receiving [8, 12] bytes",
@@ -189,7 +193,7 @@ def test_calls_that_disagree_fail_every_rank_with_each_ranks_call():
     for reports in assert_all_ok(run_ranks(calls_disagree, 2, group_timeout_s=20, timeout_s=90)):
         for case, names in DISAGREEMENTS.items():
             first, then = reports[case].split("\nTHEN ")
-            assert "the ranks' calls disagree" in first, first
+            assert case == "output" or "the ranks' calls disagree" in first, first
             for name in names:
                 assert name in first, first
             assert "failed earlier and its ranks are out of step" in then, then

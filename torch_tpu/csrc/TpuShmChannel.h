@@ -32,6 +32,7 @@ namespace torch_tpu {
 namespace shm {
 
 constexpr int kMaxDims = 8;
+constexpr int kReasonBytes = 240;
 
 // What a rank says about the collective it is in: every rank checks every
 // other rank's header after the first barrier of a collective.
@@ -40,9 +41,10 @@ struct Header {
   int32_t dtype;   // c10::ScalarType
   int32_t reduce;  // c10d::ReduceOp::RedOpType, or -1
   int32_t root;    // broadcast's root, or -1
-  int32_t ndim;
-  int32_t pad_;
+  int32_t ndim;     // tensors of more dims are described flattened
+  int32_t invalid;  // 1: this rank's arguments are wrong (reason below); every rank then raises
   int64_t sizes[kMaxDims];
+  char reason[kReasonBytes];
   // Followed by int64 send_bytes[world] and recv_bytes[world] (all_to_all).
 };
 

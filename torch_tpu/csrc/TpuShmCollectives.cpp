@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <sstream>
 #include <vector>
@@ -36,16 +37,30 @@ const char* name_of(ReduceOp::RedOpType op) {
 }
 
 Header header_of(Collective what, const at::Tensor& t, int32_t reduce, int32_t root) {
-  TORCH_CHECK(t.dim() <= kMaxDims, "tpu_dist: collectives take tensors of at most ", kMaxDims, " dims, got ",
-              t.sizes());
   Header h{};
   h.op = static_cast<int32_t>(what);
   h.dtype = static_cast<int32_t>(t.scalar_type());
   h.reduce = reduce;
   h.root = root;
-  h.ndim = static_cast<int32_t>(t.dim());
-  for (int64_t d = 0; d < t.dim(); ++d) h.sizes[d] = t.size(d);
+  if (t.dim() > kMaxDims) {
+    h.ndim = 1;
+    h.sizes[0] = t.numel();
+  } else {
+    h.ndim = static_cast<int32_t>(t.dim());
+    for (int64_t d = 0; d < t.dim(); ++d) h.sizes[d] = t.size(d);
+  }
   return h;
+}
+
+// The message of what `check` raises, or "" if it raises nothing.
+template <typename F>
+std::string failure_of(F&& check) {
+  try {
+    check();
+    return {};
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
 }
 
 std::string describe(const Header& h, int rank, const int64_t* send, const int64_t* recv, int world) {
@@ -83,6 +98,19 @@ class Rounds {
     ch_.check_usable();
   }
 
+  // A call whose arguments are wrong on this rank still takes the first
+  // barrier, so that every rank raises now, with this rank's reason, instead
+  // of its peers waiting for it until the timeout.
+  [[noreturn]] void fail_with(const std::string& reason) {
+    mine_.invalid = 1;
+    std::snprintf(mine_.reason, sizeof(mine_.reason), "%s", reason.c_str());
+    send_.clear();
+    recv_.clear();
+    begin();
+    exchange();
+    TORCH_CHECK(false, reason);  // not reached: exchange() raises
+  }
+
   // The buffer set this round writes into; the first round also carries the header.
   int begin() {
     set_ = ch_.next_set();
@@ -109,6 +137,17 @@ class Rounds {
  private:
   void check_calls() {
     const int world = ch_.world();
+    std::ostringstream invalid;
+    for (int r = 0; r < world; ++r) {
+      const Header& h = ch_.header(set_, r);
+      if (h.invalid) invalid << (invalid.tellp() > 0 ? "; " : "") << "rank " << r << ": " << h.reason;
+    }
+    if (invalid.tellp() > 0) {
+      const std::string why = std::string("tpu_dist ") + name_of(mine_.op) +
+          ": a rank's arguments are wrong, so no rank can complete the collective (" + invalid.str() + ")";
+      ch_.break_with(why);
+      TORCH_CHECK(false, why);
+    }
     const bool pairwise = !send_.empty();
     bool agree = true;
     for (int r = 0; r < world; ++r) agree = agree && same_call(ch_.header(set_, r), mine_, !pairwise);
@@ -226,9 +265,11 @@ void all_reduce(Channel& ch, const at::Tensor& tensor, ReduceOp::RedOpType op, T
 }
 
 void broadcast(Channel& ch, const at::Tensor& tensor, int64_t root, Timeout timeout) {
-  TORCH_CHECK(root >= 0 && root < ch.world(), "tpu_dist broadcast: root rank ", root, " outside the group of ",
-              ch.world());
   Rounds rounds(ch, header_of(Collective::kBroadcast, tensor, -1, static_cast<int32_t>(root)), timeout);
+  if (root < 0 || root >= ch.world()) {
+    rounds.fail_with("tpu_dist broadcast: root rank " + std::to_string(root) + " outside the group of " +
+                     std::to_string(ch.world()));
+  }
   const int64_t total = static_cast<int64_t>(tensor.nbytes());
   int64_t offset = 0;
   do {
@@ -242,11 +283,14 @@ void broadcast(Channel& ch, const at::Tensor& tensor, int64_t root, Timeout time
 }
 
 void all_gather_into(Channel& ch, const at::Tensor& output, const at::Tensor& input, Timeout timeout) {
-  TORCH_CHECK(output.numel() == input.numel() * ch.world() && output.scalar_type() == input.scalar_type(),
-              "tpu_dist all_gather_into_tensor: the output must hold world size (", ch.world(),
-              ") times the input's elements of the same dtype; got input ", input.scalar_type(), input.sizes(),
-              " and output ", output.scalar_type(), output.sizes());
   Rounds rounds(ch, header_of(Collective::kAllGather, input, -1, -1), timeout);
+  const std::string wrong = failure_of([&] {
+    TORCH_CHECK(output.numel() == input.numel() * ch.world() && output.scalar_type() == input.scalar_type(),
+                "tpu_dist all_gather_into_tensor: the output must hold world size (", ch.world(),
+                ") times the input's elements of the same dtype; got input ", input.scalar_type(), input.sizes(),
+                " and output ", output.scalar_type(), output.sizes());
+  });
+  if (!wrong.empty()) rounds.fail_with(wrong);
   const int64_t total = static_cast<int64_t>(input.nbytes());
   int64_t offset = 0;
   do {
@@ -265,11 +309,14 @@ void all_gather_into(Channel& ch, const at::Tensor& output, const at::Tensor& in
 
 void reduce_scatter_into(Channel& ch, const at::Tensor& output, const at::Tensor& input, ReduceOp::RedOpType op,
                          Timeout timeout) {
-  TORCH_CHECK(input.numel() == output.numel() * ch.world() && output.scalar_type() == input.scalar_type(),
-              "tpu_dist reduce_scatter_tensor: the input must hold world size (", ch.world(),
-              ") times the output's elements of the same dtype; got input ", input.scalar_type(), input.sizes(),
-              " and output ", output.scalar_type(), output.sizes());
   Rounds rounds(ch, header_of(Collective::kReduceScatter, input, op, -1), timeout);
+  const std::string wrong = failure_of([&] {
+    TORCH_CHECK(input.numel() == output.numel() * ch.world() && output.scalar_type() == input.scalar_type(),
+                "tpu_dist reduce_scatter_tensor: the input must hold world size (", ch.world(),
+                ") times the output's elements of the same dtype; got input ", input.scalar_type(), input.sizes(),
+                " and output ", output.scalar_type(), output.sizes());
+  });
+  if (!wrong.empty()) rounds.fail_with(wrong);
   const int64_t total = static_cast<int64_t>(output.nbytes());
   const int64_t share = share_of_slot(ch) / output.element_size() * output.element_size();
   int64_t offset = 0;
@@ -327,18 +374,22 @@ void all_to_all(Channel& ch, const at::Tensor& output, const at::Tensor& input, 
                 c10::IntArrayRef input_splits, Timeout timeout) {
   const int world = ch.world();
   const int me = ch.rank();
-  TORCH_CHECK(output.scalar_type() == input.scalar_type(), "tpu_dist all_to_all_single: input ",
-              input.scalar_type(), " and output ", output.scalar_type(), " must have the same dtype");
-  const char* in_begin = bytes_of(input);
-  const char* out_begin = bytes_of(output);
-  TORCH_CHECK(out_begin + output.nbytes() <= in_begin || in_begin + input.nbytes() <= out_begin,
-              "tpu_dist all_to_all_single: the output must not overlap the input (later rounds still send it)");
-  std::vector<int64_t> send = split_bytes(input, input_splits, world, "input");
-  std::vector<int64_t> recv = split_bytes(output, output_splits, world, "output");
+  std::vector<int64_t> send;
+  std::vector<int64_t> recv;
+  const std::string wrong = failure_of([&] {
+    TORCH_CHECK(output.scalar_type() == input.scalar_type(), "tpu_dist all_to_all_single: input ",
+                input.scalar_type(), " and output ", output.scalar_type(), " must have the same dtype");
+    const char* in_begin = bytes_of(input);
+    const char* out_begin = bytes_of(output);
+    TORCH_CHECK(out_begin + output.nbytes() <= in_begin || in_begin + input.nbytes() <= out_begin,
+                "tpu_dist all_to_all_single: the output must not overlap the input (later rounds still send it)");
+    send = split_bytes(input, input_splits, world, "input");
+    recv = split_bytes(output, output_splits, world, "output");
+  });
+  Rounds rounds(ch, header_of(Collective::kAllToAll, input, -1, -1), timeout, send, recv);
+  if (!wrong.empty()) rounds.fail_with(wrong);
   const std::vector<int64_t> send_at = starts(send);
   const std::vector<int64_t> recv_at = starts(recv);
-  Header mine = header_of(Collective::kAllToAll, input, -1, -1);
-  Rounds rounds(ch, mine, timeout, send, recv);
   const int64_t share = share_of_slot(ch);
   int64_t num_rounds = 1;  // known after the first exchange
   for (int64_t k = 0; k < num_rounds; ++k) {
