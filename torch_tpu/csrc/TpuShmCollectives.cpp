@@ -282,15 +282,27 @@ void broadcast(Channel& ch, const at::Tensor& tensor, int64_t root, Timeout time
   } while (offset < total);
 }
 
-void all_gather_into(Channel& ch, const at::Tensor& output, const at::Tensor& input, Timeout timeout) {
-  Rounds rounds(ch, header_of(Collective::kAllGather, input, -1, -1), timeout);
+namespace {
+
+// all_gather's output, and reduce_scatter's input, hold world blocks of the other tensor.
+void check_blocks(Rounds& rounds, const char* what, const at::Tensor& input, const at::Tensor& output,
+                  bool output_is_whole, int world) {
+  const at::Tensor& whole = output_is_whole ? output : input;
+  const at::Tensor& block = output_is_whole ? input : output;
   const std::string wrong = failure_of([&] {
-    TORCH_CHECK(output.numel() == input.numel() * ch.world() && output.scalar_type() == input.scalar_type(),
-                "tpu_dist all_gather_into_tensor: the output must hold world size (", ch.world(),
-                ") times the input's elements of the same dtype; got input ", input.scalar_type(), input.sizes(),
-                " and output ", output.scalar_type(), output.sizes());
+    TORCH_CHECK(whole.numel() == block.numel() * world && whole.scalar_type() == block.scalar_type(),
+                "tpu_dist ", what, ": the ", output_is_whole ? "output" : "input", " must hold world size (", world,
+                ") times the ", output_is_whole ? "input" : "output", "'s elements of the same dtype; got input ",
+                input.scalar_type(), input.sizes(), " and output ", output.scalar_type(), output.sizes());
   });
   if (!wrong.empty()) rounds.fail_with(wrong);
+}
+
+} // namespace
+
+void all_gather_into(Channel& ch, const at::Tensor& output, const at::Tensor& input, Timeout timeout) {
+  Rounds rounds(ch, header_of(Collective::kAllGather, input, -1, -1), timeout);
+  check_blocks(rounds, "all_gather_into_tensor", input, output, /*output_is_whole=*/true, ch.world());
   const int64_t total = static_cast<int64_t>(input.nbytes());
   int64_t offset = 0;
   do {
@@ -310,13 +322,7 @@ void all_gather_into(Channel& ch, const at::Tensor& output, const at::Tensor& in
 void reduce_scatter_into(Channel& ch, const at::Tensor& output, const at::Tensor& input, ReduceOp::RedOpType op,
                          Timeout timeout) {
   Rounds rounds(ch, header_of(Collective::kReduceScatter, input, op, -1), timeout);
-  const std::string wrong = failure_of([&] {
-    TORCH_CHECK(input.numel() == output.numel() * ch.world() && output.scalar_type() == input.scalar_type(),
-                "tpu_dist reduce_scatter_tensor: the input must hold world size (", ch.world(),
-                ") times the output's elements of the same dtype; got input ", input.scalar_type(), input.sizes(),
-                " and output ", output.scalar_type(), output.sizes());
-  });
-  if (!wrong.empty()) rounds.fail_with(wrong);
+  check_blocks(rounds, "reduce_scatter_tensor", input, output, /*output_is_whole=*/false, ch.world());
   const int64_t total = static_cast<int64_t>(output.nbytes());
   const int64_t share = share_of_slot(ch) / output.element_size() * output.element_size();
   int64_t offset = 0;
