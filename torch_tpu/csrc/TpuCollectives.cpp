@@ -197,14 +197,15 @@ c10::intrusive_ptr<c10d::Work> run_on_channel(const c10::FunctionSchema& schema,
   const shm::Timeout timeout(arg("timeout").toInt());
 
   std::lock_guard<std::mutex> lock(channel->mutex());
-  if (op == "c10d::allreduce_" || op == "c10d::broadcast_") {
+  if (op == "c10d::allreduce_") {
     const auto tensors = arg("tensors").toTensorVector();
-    const bool sparse = op == "c10d::allreduce_" && !arg("sparse_indices").isNone();
-    if (tensors.size() != 1 || sparse || (op == "c10d::allreduce_" && !shm::supports(reduce_op()))) return nullptr;
-    if (op == "c10d::allreduce_") {
-      shm::all_reduce(*channel, tensors[0], reduce_op(), timeout);
-      return c10::make_intrusive<DoneWork>(c10d::OpType::ALLREDUCE, tensors);
-    }
+    if (tensors.size() != 1 || !arg("sparse_indices").isNone() || !shm::supports(reduce_op())) return nullptr;
+    shm::all_reduce(*channel, tensors[0], reduce_op(), timeout);
+    return c10::make_intrusive<DoneWork>(c10d::OpType::ALLREDUCE, tensors);
+  }
+  if (op == "c10d::broadcast_") {
+    const auto tensors = arg("tensors").toTensorVector();
+    if (tensors.size() != 1) return nullptr;
     shm::broadcast(*channel, tensors[0], arg("root_rank").toInt(), timeout);
     return c10::make_intrusive<DoneWork>(c10d::OpType::BROADCAST, tensors);
   }

@@ -34,7 +34,7 @@ constexpr auto kSpin = std::chrono::microseconds(30);
 // How often a sleeping waiter looks at the clock and at the peers' processes.
 constexpr auto kNap = std::chrono::milliseconds(20);
 
-int64_t round_up(int64_t n, int64_t to) {
+constexpr int64_t round_up(int64_t n, int64_t to) {
   return (n + to - 1) / to * to;
 }
 
@@ -81,6 +81,8 @@ struct Channel::Control {
   alignas(kLine) std::atomic<uint32_t> bell;  // bumped by every arrival; the futex word
   std::atomic<uint32_t> sleepers;
 };
+// Where the per-rank barrier counters start.
+constexpr int64_t kCountersOffset = round_up(static_cast<int64_t>(sizeof(Channel::Control)), kLine);
 static_assert(sizeof(std::atomic<uint64_t>) == 8 && std::atomic<uint64_t>::is_always_lock_free,
               "the barrier counters must be lock-free to work across processes");
 
@@ -88,8 +90,7 @@ Channel::Channel(const std::string& path, int rank, int world, int64_t slot_byte
                  std::chrono::milliseconds timeout)
     : rank_(rank), world_(world), slot_bytes_(round_up(slot_bytes, kPage)), timeout_(timeout) {
   TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "tpu_dist: rank ", rank, " outside a group of ", world);
-  const int64_t counters = round_up(static_cast<int64_t>(sizeof(Control)), kLine);
-  pids_offset_ = counters + kLine * world;
+  pids_offset_ = kCountersOffset + kLine * world;
   header_stride_ = round_up(static_cast<int64_t>(sizeof(Header)) + 2 * 8 * world, kLine);
   headers_offset_ = round_up(pids_offset_ + 4 * world, kLine);
   slots_offset_ = round_up(headers_offset_ + 2 * world * header_stride_, kPage);
@@ -137,8 +138,7 @@ Channel::Control* Channel::control() const {
 }
 
 std::atomic<uint64_t>& Channel::arrived(int rank) const {
-  const int64_t counters = round_up(static_cast<int64_t>(sizeof(Control)), kLine);
-  return *reinterpret_cast<std::atomic<uint64_t>*>(base_ + counters + kLine * rank);
+  return *reinterpret_cast<std::atomic<uint64_t>*>(base_ + kCountersOffset + kLine * rank);
 }
 
 Header& Channel::header(int set, int rank) {

@@ -80,8 +80,10 @@ class Channel {
   void break_with(const std::string& reason);
   void check_usable() const;
 
- private:
+ // The segment's first cache lines (defined in the .cpp).
   struct Control;
+
+ private:
   Control* control() const;
   std::atomic<uint64_t>& arrived(int rank) const;
   int32_t* pids() const;

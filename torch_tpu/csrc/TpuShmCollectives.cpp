@@ -208,11 +208,16 @@ void combine(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, ReduceOp
   }
 }
 
-// out = parts[0] op parts[1] op ... in rank order, so every rank gets the same bits.
-void reduce_into(at::Tensor out, const std::vector<at::Tensor>& parts, ReduceOp::RedOpType op) {
+// dest[0, n) = bytes [at, at + n) of every rank's slot in buffer set `set`,
+// combined by op in rank order, so every rank gets the same bits.
+void reduce_slots(Channel& ch, int set, int64_t at, int64_t n, char* dest, at::ScalarType dtype,
+                  ReduceOp::RedOpType op) {
   // Every rank of the host reduces at the same time (measured: a 256 KiB
   // all_reduce of 2 ranks took 6.8 ms with their OpenMP teams).
   OneThreadScope one_thread;
+  std::vector<at::Tensor> parts;
+  for (int r = 0; r < ch.world(); ++r) parts.push_back(flat(ch.slot(set, r) + at, n, dtype));
+  at::Tensor out = flat(dest, n, dtype);
   if (parts.size() == 1) {
     out.copy_(parts[0]);
   } else {
@@ -257,9 +262,7 @@ void all_reduce(Channel& ch, const at::Tensor& tensor, ReduceOp::RedOpType op, T
     rounds.exchange();
     // Every rank reduces the whole round: with a few ranks this reads no more
     // memory than splitting the work, and saves a second barrier.
-    std::vector<at::Tensor> parts;
-    for (int r = 0; r < ch.world(); ++r) parts.push_back(flat(ch.slot(set, r), n, tensor.scalar_type()));
-    reduce_into(flat(bytes_of(tensor) + offset, n, tensor.scalar_type()), parts, op);
+    reduce_slots(ch, set, 0, n, bytes_of(tensor) + offset, tensor.scalar_type(), op);
     offset += n;
   } while (offset < total);
 }
@@ -333,11 +336,7 @@ void reduce_scatter_into(Channel& ch, const at::Tensor& output, const at::Tensor
       copy_bytes(ch.slot(set, ch.rank()) + d * share, bytes_of(input) + d * total + offset, n);
     }
     rounds.exchange();
-    std::vector<at::Tensor> parts;
-    for (int r = 0; r < ch.world(); ++r) {
-      parts.push_back(flat(ch.slot(set, r) + ch.rank() * share, n, output.scalar_type()));
-    }
-    reduce_into(flat(bytes_of(output) + offset, n, output.scalar_type()), parts, op);
+    reduce_slots(ch, set, ch.rank() * share, n, bytes_of(output) + offset, output.scalar_type(), op);
     offset += n;
   } while (offset < total);
 }
