@@ -28,11 +28,12 @@ setup(
         CppExtension(
             name="sparsecore._kernels",
             sources=sorted(glob.glob("sparsecore/csrc/*.cpp")),
-            # No OpenMP: the kernels run their loops on threads of their own
-            # (csrc/ThreadPool.h says why). -fno-math-errno: sqrt is then one
+            # OpenMP for the main thread's loops only; elsewhere the kernels run
+            # them on threads of their own (csrc/ThreadPool.h says why). -fno-math-errno: sqrt is then one
             # vector instruction, not a call guarded per element (optimizer
             # state is never negative).
-            extra_compile_args=COMPILE_ARGS + ["-march=native", "-fno-math-errno"],
+            extra_compile_args=COMPILE_ARGS + ["-march=native", "-fno-math-errno", "-fopenmp"],
+            extra_link_args=["-fopenmp"],
         ),
     ],
     cmdclass={"build_ext": BuildExtension.with_options(no_python_abi_suffix=True)},

@@ -25,7 +25,7 @@ from sparsecore.fused import exchanged_update, fused_lookup, fused_update, place
 from sparsecore.fused_optimizer import FusedOptimizer, StepCount, TableState
 from sparsecore.kernels import lookup
 from sparsecore.optim import Optimizer, from_torch_optim
-from sparsecore.preprocess import PreprocessedBatch, Preprocessor, StackBatch, preprocess_stacks
+from sparsecore.preprocess import PreprocessedBatch, Preprocessor, StackBatch, preprocess_and_look_up, preprocess_stacks
 from sparsecore.stacking import StackSpec, plan_stacks
 
 
@@ -231,6 +231,19 @@ class SparseCoreCollection(nn.Module):
         self._observe(batch)
         return batch
 
+    def _preprocess_and_look_up(self, features: KeyedJaggedTensor | PreprocessedBatch
+                                ) -> tuple[PreprocessedBatch, dict[str, torch.Tensor]]:
+        """The batch and, for a KJT, the pooled stacks' rows looked up while it is preprocessed
+        (detached; the rest are looked up from the batch). A traced step keeps the two apart:
+        its lookups are ops of the graph, its preprocessing is not."""
+        if isinstance(features, PreprocessedBatch) or torch.compiler.is_compiling() or self._device.type == "meta":
+            return self._batch_of(features), {}
+        weights = {s.name: self._weights[s.name].detach() for s in self._stacks if s.is_pooled}
+        batch, rows = preprocess_and_look_up(features, self._stacks, weights,
+                                             allow_id_dropping=self._allow_id_dropping, device=self._device)
+        self._observe(batch)
+        return batch, rows
+
     def preprocessor(self) -> Preprocessor:
         """What a data loader needs to preprocess ahead for this module (host buffers; the
         forward moves them to the device)."""
@@ -241,14 +254,16 @@ class SparseCoreCollection(nn.Module):
         return (coo.row_pointers.to(device), coo.embedding_ids.to(device), coo.sample_ids.to(device),
                 coo.gains.to(device), coo.num_bags, coo.batch_size)
 
-    def _lookup(self, stack: StackSpec, coo: StackBatch) -> torch.Tensor:
-        """(bags, dim) rows of one stack; trains the stack in the backward if there is an optimizer."""
+    def _lookup(self, stack: StackSpec, coo: StackBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """(bags, dim) rows of one stack (``rows``: already looked up from ``coo``); trains the
+        stack in the backward if there is an optimizer."""
         weight = self._weights[stack.name]
         args = self._device_coo(stack, coo)
         if self._optimizer is None or not torch.is_grad_enabled():
-            return lookup(weight, *args)
-        if stack.name in self._row_exchanges:
-            return trained_rows(self._placeholder, lookup(weight, *args), self._update_of(stack, args))
+            return lookup(weight, *args) if rows is None else rows
+        if rows is not None or stack.name in self._row_exchanges:
+            rows = lookup(weight, *args) if rows is None else rows
+            return trained_rows(self._placeholder, rows, self._update_of(stack, args))
         # A compiled graph's backward has no executor order to keep: its updates run inline.
         deferred = self._defers_updates and not torch.compiler.is_compiling()
         return fused_lookup(self._placeholder, weight, list(self._optimizer_state[stack.name].values()),
@@ -296,12 +311,13 @@ class SparseCoreCollection(nn.Module):
     def _detached_lookups(self, features: KeyedJaggedTensor | PreprocessedBatch) -> tuple[PreprocessedBatch, dict]:
         """Preprocessing and the lookup kernels without autograd (what the executor runs):
         the batch and, per stack, (rows, coo on the device)."""
-        batch = self._batch_of(features)
-        out = {}
         with torch.no_grad():
+            batch, rows = self._preprocess_and_look_up(features)
+            out = {}
             for stack in self._stacks:
                 coo = self._device_coo(stack, batch.stacks[stack.name])
-                out[stack.name] = (lookup(self._weights[stack.name], *coo), coo)
+                out[stack.name] = (rows[stack.name] if stack.name in rows else lookup(self._weights[stack.name], *coo),
+                                   coo)
         return batch, out
 
     def _attach(self, batch: PreprocessedBatch, looked_up: dict) -> dict[str, torch.Tensor]:
@@ -397,8 +413,8 @@ class SparseCoreCollection(nn.Module):
         return None
 
     def _lookup_all(self, features: KeyedJaggedTensor | PreprocessedBatch) -> tuple[PreprocessedBatch, dict[str, torch.Tensor]]:
-        batch = self._batch_of(features)
-        return batch, {stack.name: self._lookup(stack, batch.stacks[stack.name]) for stack in self._stacks}
+        batch, rows = self._preprocess_and_look_up(features)
+        return batch, {s.name: self._lookup(s, batch.stacks[s.name], rows.get(s.name)) for s in self._stacks}
 
 
 def _logical_state_dict(module: SparseCoreCollection, state: dict, prefix: str, _meta) -> dict:

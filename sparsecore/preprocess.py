@@ -29,7 +29,7 @@ with bags ``[3, 3, 4]`` and ``[5]``::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -248,11 +248,14 @@ def _layout(partition, row, bag, gain, n: int):
 _COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
 
 
-def _preprocess_pooled(stack: StackSpec, kjt: "KjtView", allow_id_dropping: bool, device: torch.device) -> StackBatch:
-    """Pooled stacks: the C++ pass (sparsecore/csrc/Preprocess.cpp), reading the KJT in place."""
+def _preprocess_pooled(stack: StackSpec, kjt: "KjtView", allow_id_dropping: bool, device: torch.device,
+                       weight: torch.Tensor | None) -> tuple[StackBatch, torch.Tensor | None]:
+    """Pooled stacks: the C++ pass (sparsecore/csrc/Preprocess.cpp), reading the KJT in place. With
+    ``weight`` (the stack's table) the pass also does the stack's lookup, as each bag is merged,
+    and returns its rows (None if ids were dropped: the kept ones are then looked up apart)."""
     slots = [(table, feature) for table in stack.tables for feature in table.feature_names]
     placements = [stack.placements[table.name] for table, _ in slots]
-    (row_pointers, embedding_ids, sample_ids, gains, counts, dropped, bad_slot, bad_id) = torch.ops.sparsecore.preprocess_pooled(
+    args = (
         kjt.values, kjt.lengths, kjt.weights if kjt.weights is not None else torch.empty(0),
         [kjt.index[f] for _, f in slots], [t.num_embeddings for t, _ in slots],
         [p.rotation for p in placements], [p.row_offset for p in placements],
@@ -260,6 +263,11 @@ def _preprocess_pooled(stack: StackSpec, kjt: "KjtView", allow_id_dropping: bool
         stack.num_sparsecores, kjt.batch_size, stack.rows_per_sparsecore,
         stack.max_ids_per_partition, stack.max_unique_ids_per_partition, allow_id_dropping, device,
     )
+    if weight is None:
+        result, rows = torch.ops.sparsecore.preprocess_pooled(*args), None
+    else:
+        *result, rows = torch.ops.sparsecore.preprocess_lookup_pooled(weight, *args)
+    (row_pointers, embedding_ids, sample_ids, gains, counts, dropped, bad_slot, bad_id) = result
     if bad_slot >= 0:
         table, feature = slots[bad_slot]
         raise InputError(f"feature {feature!r} (table {table.name!r}): id {bad_id} is out of range; "
@@ -268,14 +276,12 @@ def _preprocess_pooled(stack: StackSpec, kjt: "KjtView", allow_id_dropping: bool
     if not allow_id_dropping and (int(ids.max()) > stack.max_ids_per_partition or int(unique.max()) > stack.max_unique_ids_per_partition):
         raise _limit_error(stack, ids, unique)
     stats = PartitionStats(max_ids_per_partition=int(ids.max()), max_unique_ids_per_partition=int(unique.max()), dropped_ids=dropped)
-    return StackBatch(row_pointers=row_pointers, embedding_ids=embedding_ids, sample_ids=sample_ids, gains=gains,
-                      num_bags=len(slots) * kjt.batch_size, batch_size=kjt.batch_size, stats=stats)
+    batch = StackBatch(row_pointers=row_pointers, embedding_ids=embedding_ids, sample_ids=sample_ids, gains=gains,
+                       num_bags=len(slots) * kjt.batch_size, batch_size=kjt.batch_size, stats=stats)
+    return batch, None if dropped else rows
 
 
-def _preprocess_stack(stack: StackSpec, kjt: "KjtView", allow_id_dropping: bool, lengths_out: dict,
-                      device: torch.device) -> StackBatch:
-    if stack.is_pooled:
-        return _preprocess_pooled(stack, kjt, allow_id_dropping, device)
+def _preprocess_sequence(stack: StackSpec, kjt: "KjtView", allow_id_dropping: bool, lengths_out: dict) -> StackBatch:
     # Sequence stacks: every id is its own bag, so there is nothing to merge.
     n = stack.num_sparsecores
     owner, row, bag, receiver, gain, num_bags = _sequence_entries(stack, kjt, lengths_out)
@@ -355,7 +361,25 @@ def preprocess_stacks(
     device: torch.device | str = "cpu",
 ) -> PreprocessedBatch:
     """KJT -> COO buffers for every stack (pooled stacks' buffers on ``device``, as a TPU's infeed)."""
+    return preprocess_and_look_up(kjt, stacks, {}, allow_id_dropping=allow_id_dropping, device=device)[0]
+
+
+def preprocess_and_look_up(
+    kjt: KeyedJaggedTensor, stacks: Sequence[StackSpec], weights: Mapping[str, torch.Tensor], *,
+    allow_id_dropping: bool = False, device: torch.device | str = "cpu",
+) -> tuple[PreprocessedBatch, dict[str, torch.Tensor]]:
+    """``preprocess_stacks``, and the lookups of the pooled stacks named in ``weights`` (their
+    tables) done while their buffers are built: per such stack, what ``sparsecore.kernels.lookup``
+    of its buffers returns, to the bit. A stack that dropped ids has no rows here."""
     view = _view_kjt(kjt, stacks)
     lengths: dict[str, torch.Tensor] = {}
-    built = {s.name: _preprocess_stack(s, view, allow_id_dropping, lengths, torch.device(device)) for s in stacks}
-    return PreprocessedBatch(batch_size=view.batch_size, stacks=built, lengths=lengths)
+    built, rows = {}, {}
+    for stack in stacks:
+        if stack.is_pooled:
+            built[stack.name], stack_rows = _preprocess_pooled(stack, view, allow_id_dropping, torch.device(device),
+                                                               weights.get(stack.name))
+            if stack_rows is not None:
+                rows[stack.name] = stack_rows
+        else:
+            built[stack.name] = _preprocess_sequence(stack, view, allow_id_dropping, lengths)
+    return PreprocessedBatch(batch_size=view.batch_size, stacks=built, lengths=lengths), rows

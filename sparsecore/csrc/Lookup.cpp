@@ -8,6 +8,7 @@
 // its SparseCores are summed in registers and its output row is written once,
 // as an embedding_bag kernel does, rather than read and written per entry.
 
+#include "BagSum.h"
 #include "Layout.h"
 #include "ThreadPool.h"
 
@@ -20,10 +21,6 @@
 #include <cstdint>
 #include <vector>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-
 namespace sparsecore {
 namespace {
 
@@ -31,25 +28,7 @@ namespace {
 constexpr int64_t kPrefetchDistance = 32;
 constexpr int64_t kBagsPerTask = 256;
 
-// A bag's output row, written once. Whole 64-byte lines are streamed past the
-// cache: the rows of a batch are scattered over a large output and are not
-// read again here, so reading each line in before overwriting it (what a
-// normal store does) would double the output's memory traffic.
-template <int64_t kDim>
-inline void store_row(float* __restrict dst, const float* __restrict acc, int64_t dim) {
-#ifdef __AVX512F__
-  if constexpr (kDim > 0 && kDim % 16 == 0) {
-    if ((reinterpret_cast<uintptr_t>(dst) & 63) == 0) {
-      for (int64_t d = 0; d < kDim; d += 16) _mm512_stream_ps(dst + d, _mm512_loadu_ps(acc + d));
-      return;
-    }
-  }
-#endif
-  for (int64_t d = 0; d < dim; ++d) dst[d] = acc[d];
-}
-
-// kDim > 0: the row width known at compile time, so the accumulator lives in
-// vector registers; kDim == 0: any width, accumulated through memory.
+// kDim: as BagSum's.
 template <typename scalar_t, int64_t kDim>
 void lookup_bags(const Coo& coo, const scalar_t* table, int64_t runtime_dim, float* out, int64_t bag_begin,
                  int64_t bag_end) {
@@ -70,11 +49,10 @@ void lookup_bags(const Coo& coo, const scalar_t* table, int64_t runtime_dim, flo
       prefetch_bytes(shard[g % n] + static_cast<int64_t>(coo.ids[e]) * dim, dim * sizeof(scalar_t));
     }
   }
-  float fixed[kDim > 0 ? kDim : 1];
-  std::vector<float> dynamic(kDim > 0 ? 0 : dim);
-  float* acc = kDim > 0 ? fixed : dynamic.data();
+  std::vector<float> scratch(kDim > 0 ? 0 : dim);
+  BagSum<scalar_t, kDim> sum(dim, scratch.data());
   for (int64_t bag = bag_begin; bag < bag_end; ++bag) {
-    for (int64_t d = 0; d < dim; ++d) acc[d] = 0.0f;
+    sum.clear();
     // Only the bag's receiver has entries for it; the other groups' cursors
     // stop at once on a larger sample id.
     for (int64_t g = 0; g < groups; ++g) {
@@ -85,17 +63,13 @@ void lookup_bags(const Coo& coo, const scalar_t* table, int64_t runtime_dim, flo
         if (e + kPrefetchDistance < stop) {
           prefetch_bytes(base + static_cast<int64_t>(coo.ids[e + kPrefetchDistance]) * dim, dim * sizeof(scalar_t));
         }
-        const scalar_t* row = base + static_cast<int64_t>(coo.ids[e]) * dim;
-        const float gain = coo.gains[e];
-        for (int64_t d = 0; d < dim; ++d) acc[d] += gain * static_cast<float>(row[d]);
+        sum.add(base + static_cast<int64_t>(coo.ids[e]) * dim, coo.gains[e]);
       }
       cursor[g] = e;
     }
-    store_row<kDim>(out + coo.row_of(bag) * dim, acc, dim);
+    sum.store(out + coo.row_of(bag) * dim);
   }
-#ifdef __AVX512F__
-  _mm_sfence();  // the streaming stores are visible before the caller reads the output
-#endif
+  stream_fence();
 }
 
 at::Tensor lookup(const at::Tensor& weight, const at::Tensor& row_pointers,

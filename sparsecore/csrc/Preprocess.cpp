@@ -8,10 +8,16 @@
 // where its entries go inside each partition (chunk order keeps every
 // partition in bag order, which the lookup relies on) and writes them there.
 // Distinct rows per partition are counted with a bitmap over the rows.
+//
+// preprocess_lookup_pooled also does the stack's lookup inside pass 1: each
+// bag is summed a few dozen entries after it is merged, while its entries are
+// still in cache, so the lookup never reads the COO buffers back.
 
+#include "BagSum.h"
 #include "Layout.h"
 #include "ThreadPool.h"
 
+#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
@@ -86,7 +92,7 @@ struct BagMergerSlots {
 // sorting them; bags past 128 ids are sorted.
 class BagMerger {
  public:
-  size_t merge(Staged* bag, size_t size) {
+  __attribute__((always_inline)) size_t merge(Staged* bag, size_t size) {
     if (size > kSmall) {
       std::sort(bag, bag + size, [](const Staged& a, const Staged& b) { return key_of(a) < key_of(b); });
       size_t out = 0;
@@ -123,6 +129,105 @@ class BagMerger {
   BagMergerSlots slot_;
   uint32_t used_[kSmall] = {};
   size_t used_count_ = 0;
+};
+
+// Pass 1's bag sink when only the buffers are wanted.
+struct NoLookup {
+  struct Chunk {
+    void add(int64_t, const Staged*, size_t) {}
+    void flush() {}
+  };
+  Chunk chunk() const { return {}; }
+};
+
+// Pass 1's bag sink for preprocess_lookup_pooled: sums every bag into its
+// output row. A chunk's bags arrive in bag order, merged; a bag is summed once
+// kLag entries of later bags are staged, so rows can be asked for that far ahead.
+template <typename scalar_t, int64_t kDim>
+class FusedLookup {
+ public:
+  FusedLookup(const scalar_t* table, int64_t dim, int64_t n, int64_t rows_per_sc, OutputRows row_of, float* out)
+      : table_(table), dim_(kDim > 0 ? kDim : dim), shard_(n), n_(n), rows_per_sc_(rows_per_sc), row_of_(row_of),
+        out_(out) {}
+
+  class Chunk {
+   public:
+    explicit Chunk(const FusedLookup& lookup)
+        : l_(lookup), scratch_(kDim > 0 ? 0 : lookup.dim_), starts_(lookup.n_ + 1) {}
+
+    void add(int64_t bag, const Staged* entries, size_t count) {
+      if (tail_ - head_ == kRing) pop();
+      ring_[tail_++ % kRing] = {entries, count, bag};
+      queued_ += count;
+      staged_end_ = entries + count;
+      while (tail_ > head_ && queued_ - ring_[head_ % kRing].count >= kLag) pop();
+    }
+
+    void flush() {
+      while (head_ < tail_) pop();
+      stream_fence();
+    }
+
+   private:
+    struct Bag {
+      const Staged* entries;
+      size_t count;
+      int64_t bag;
+    };
+    static constexpr size_t kRing = 64;  // bags: kLag bags of one id each must fit
+    static constexpr size_t kLag = 32;   // entries, as the COO lookup's prefetch distance
+
+    void pop() {
+      const Bag b = ring_[head_++ % kRing];
+      queued_ -= b.count;
+      // Rows are asked for kLag staged entries ahead, one per entry summed, so
+      // the requests in flight stay level (a bag's worth at once would stall
+      // on the line fill buffers).
+      const size_t staged_after = static_cast<size_t>(staged_end_ - b.entries);
+      for (size_t i = 0; i < b.count && i + kLag < staged_after; ++i) {
+        prefetch_bytes(l_.row(b.entries[i + kLag]), l_.dim_ * sizeof(scalar_t));
+      }
+      BagSum<scalar_t, kDim> sum(l_.dim_, scratch_.data());  // a local: its sum stays in registers
+      sum.clear();
+      if (b.count > 1 && l_.n_ > 1) {
+        // The COO lookup sums a bag owner by owner (its groups), each in
+        // staged order: the same order gives the same bits. A stable
+        // counting sort of the bag's entries by owner.
+        std::fill(starts_.begin(), starts_.end(), 0);
+        for (size_t i = 0; i < b.count; ++i) ++starts_[l_.owner(b.entries[i]) + 1];
+        for (int64_t o = 0; o < l_.n_; ++o) starts_[o + 1] += starts_[o];
+        order_.resize(b.count);
+        for (size_t i = 0; i < b.count; ++i) order_[starts_[l_.owner(b.entries[i])]++] = &b.entries[i];
+        for (const Staged* e : order_) sum.add(l_.row(*e), e->gain);
+      } else {
+        for (size_t i = 0; i < b.count; ++i) sum.add(l_.row(b.entries[i]), b.entries[i].gain);
+      }
+      sum.store(l_.out_ + l_.row_of_(b.bag) * l_.dim_);
+    }
+
+    const FusedLookup& l_;
+    Bag ring_[kRing];
+    size_t head_ = 0, tail_ = 0, queued_ = 0;
+    const Staged* staged_end_ = nullptr;  // past the last bag added
+    std::vector<float> scratch_;  // BagSum's, for any row width
+    std::vector<int64_t> starts_;
+    std::vector<const Staged*> order_;  // the bag's entries in summing order
+  };
+
+  Chunk chunk() const { return Chunk(*this); }
+
+ private:
+  int64_t owner(const Staged& e) const { return shard_.owner(e.partition); }
+  const scalar_t* row(const Staged& e) const {
+    return table_ + (owner(e) * rows_per_sc_ + e.row) * dim_;
+  }
+
+  const scalar_t* table_;
+  int64_t dim_;
+  ShardMap shard_;  // partition -> owner: partitions are receiver * n + owner
+  int64_t n_, rows_per_sc_;
+  OutputRows row_of_;
+  float* out_;
 };
 
 // Gains of one bag's ids: weight times the combiner's scale.
@@ -229,12 +334,14 @@ Buffers allocate(const std::vector<int64_t>& totals, int64_t n, std::vector<int6
   return out;
 }
 
-template <typename index_t>
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, int64_t> preprocess_impl(
+using Preprocessed = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, int64_t>;
+
+template <typename index_t, typename Sink>
+Preprocessed preprocess_impl(
     const at::Tensor& values, const at::Tensor& lengths, const at::Tensor& weights, at::IntArrayRef features,
     at::IntArrayRef num_embeddings, at::IntArrayRef rotations, at::IntArrayRef row_offsets,
     at::IntArrayRef combiners, int64_t n, int64_t batch_size, int64_t rows_per_sc, int64_t max_ids,
-    int64_t max_unique, bool allow_drop, const at::Device& device) {
+    int64_t max_unique, bool allow_drop, const at::Device& device, const Sink& sink) {
   const auto v = values.contiguous();
   const auto l = lengths.contiguous().to(at::kLong);
   const auto w = weights.defined() && weights.numel() ? weights.contiguous().to(at::kFloat) : at::Tensor();
@@ -276,11 +383,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, 
       }
       staged[c].reset(static_cast<size_t>(expected));
       Staged* out = staged[c].data.get();
+      auto bags = sink.chunk();
       for (int64_t k = k_begin; k < k_end; ++k) {
         const int64_t j = k / batch_size, b = k % batch_size;
         const int64_t bag_index = features[j] * batch_size + b;
         const int64_t begin = starts[bag_index], length = starts[bag_index + 1] - begin;
-        if (length == 0) continue;
+        if (length == 0) {
+          bags.add(k, out, 0);
+          continue;
+        }
         const int32_t receiver_base = static_cast<int32_t>(b / slice * n);
         // Unweighted sum and mean bags give all their ids one gain.
         const bool shared_gain = wts == nullptr && combiners[j] != kSqrtn;
@@ -301,8 +412,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, 
         }
         const size_t merged = length == 1 ? 1 : merger.merge(out, static_cast<size_t>(length));
         for (size_t i = 0; i < merged; ++i) ++count[out[i].partition];
+        bags.add(k, out, merged);
         out += merged;
       }
+      bags.flush();
       staged[c].size = static_cast<size_t>(out - staged[c].data.get());
     }
   });
@@ -393,26 +506,68 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, 
   return {out.row_pointers, out.embedding_ids, out.sample_ids, out.gains, part_counts, dropped, -1, 0};
 }
 
-// The buffers are allocated on `device` (host memory either way: a tpu
-// device's allocator caches blocks, and the lookup reads them there).
-// Returns the COO buffers, per-partition (ids, distinct rows) counts, the
-// number of dropped ids, and (slot, id) of the first out-of-range id (slot
-// -1 when all are valid; nothing else is built then).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, int64_t> preprocess_pooled(
+template <typename Sink>
+Preprocessed preprocess_with(
     const at::Tensor& values, const at::Tensor& lengths, const at::Tensor& weights, at::IntArrayRef features,
     at::IntArrayRef num_embeddings, at::IntArrayRef rotations, at::IntArrayRef row_offsets,
     at::IntArrayRef combiners, int64_t num_sparsecores, int64_t batch_size, int64_t rows_per_sparsecore,
-    int64_t max_ids, int64_t max_unique, bool allow_drop, at::Device device) {
+    int64_t max_ids, int64_t max_unique, bool allow_drop, const at::Device& device, const Sink& sink) {
   TORCH_CHECK(values.scalar_type() == at::kLong || values.scalar_type() == at::kInt,
               "preprocess_pooled: ids must be int64 or int32, got ", values.scalar_type());
   if (values.scalar_type() == at::kLong) {
     return preprocess_impl<int64_t>(values, lengths, weights, features, num_embeddings, rotations, row_offsets,
                                     combiners, num_sparsecores, batch_size, rows_per_sparsecore, max_ids,
-                                    max_unique, allow_drop, device);
+                                    max_unique, allow_drop, device, sink);
   }
   return preprocess_impl<int32_t>(values, lengths, weights, features, num_embeddings, rotations, row_offsets,
                                   combiners, num_sparsecores, batch_size, rows_per_sparsecore, max_ids,
-                                  max_unique, allow_drop, device);
+                                  max_unique, allow_drop, device, sink);
+}
+
+// The buffers are allocated on `device` (host memory either way: a tpu
+// device's allocator caches blocks, and the lookup reads them there).
+// Returns the COO buffers, per-partition (ids, distinct rows) counts, the
+// number of dropped ids, and (slot, id) of the first out-of-range id (slot
+// -1 when all are valid; nothing else is built then).
+Preprocessed preprocess_pooled(
+    const at::Tensor& values, const at::Tensor& lengths, const at::Tensor& weights, at::IntArrayRef features,
+    at::IntArrayRef num_embeddings, at::IntArrayRef rotations, at::IntArrayRef row_offsets,
+    at::IntArrayRef combiners, int64_t num_sparsecores, int64_t batch_size, int64_t rows_per_sparsecore,
+    int64_t max_ids, int64_t max_unique, bool allow_drop, at::Device device) {
+  return preprocess_with(values, lengths, weights, features, num_embeddings, rotations, row_offsets, combiners,
+                         num_sparsecores, batch_size, rows_per_sparsecore, max_ids, max_unique, allow_drop, device,
+                         NoLookup{});
+}
+
+// preprocess_pooled, and the stack's lookup in `weight` (the lookup op's
+// output) done on the way. When ids were dropped the output is of the ids
+// before dropping: the caller looks up the returned buffers instead.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, int64_t, at::Tensor>
+preprocess_lookup_pooled(
+    const at::Tensor& weight, const at::Tensor& values, const at::Tensor& lengths, const at::Tensor& weights,
+    at::IntArrayRef features, at::IntArrayRef num_embeddings, at::IntArrayRef rotations,
+    at::IntArrayRef row_offsets, at::IntArrayRef combiners, int64_t num_sparsecores, int64_t batch_size,
+    int64_t rows_per_sparsecore, int64_t max_ids, int64_t max_unique, bool allow_drop, at::Device device) {
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "lookup: weight must be a contiguous 2-D table");
+  TORCH_CHECK(weight.size(0) == num_sparsecores * rows_per_sparsecore, "preprocess_lookup_pooled: weight has ",
+              weight.size(0), " rows, expected ", num_sparsecores, " x ", rows_per_sparsecore);
+  const int64_t num_bags = static_cast<int64_t>(features.size()) * batch_size;
+  const int64_t dim = weight.size(1);
+  auto out = at::empty({num_bags, dim}, weight.options().dtype(at::kFloat));
+  const OutputRows row_of{std::max<int64_t>(batch_size, 1), static_cast<int64_t>(features.size())};
+  Preprocessed result;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "preprocess_lookup_pooled", [&] {
+    with_row_width(dim, [&](auto width) {
+      const FusedLookup<scalar_t, decltype(width)::value> sink(weight.const_data_ptr<scalar_t>(), dim,
+                                                               num_sparsecores, rows_per_sparsecore, row_of,
+                                                               out.mutable_data_ptr<float>());
+      result = preprocess_with(values, lengths, weights, features, num_embeddings, rotations, row_offsets, combiners,
+                               num_sparsecores, batch_size, rows_per_sparsecore, max_ids, max_unique, allow_drop,
+                               device, sink);
+    });
+  });
+  auto& [row_pointers, embedding_ids, sample_ids, gains, counts, dropped, bad_slot, bad_id] = result;
+  return {row_pointers, embedding_ids, sample_ids, gains, counts, dropped, bad_slot, bad_id, out};
 }
 
 } // namespace
@@ -425,6 +580,14 @@ TORCH_LIBRARY_FRAGMENT(sparsecore, m) {
       "Device device) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor, int, int, int)");
   m.impl("preprocess_pooled", c10::DispatchKey::CPU, TORCH_FN(preprocess_pooled));
+  m.def(
+      "preprocess_lookup_pooled(Tensor weight, Tensor values, Tensor lengths, Tensor weights, int[] features, "
+      "int[] num_embeddings, int[] rotations, int[] row_offsets, int[] combiners, int num_sparsecores, "
+      "int batch_size, int rows_per_sparsecore, int max_ids, int max_unique, bool allow_drop, "
+      "Device device) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, int, int, int, Tensor)");
+  m.impl("preprocess_lookup_pooled", c10::DispatchKey::CPU, TORCH_FN(preprocess_lookup_pooled));
+  m.impl("preprocess_lookup_pooled", c10::DispatchKey::PrivateUse1, TORCH_FN(preprocess_lookup_pooled));
 }
 
 } // namespace sparsecore

@@ -2,6 +2,8 @@
 
 #include <ATen/Parallel.h>
 #include <pthread.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -66,12 +68,26 @@ class Pool {
   int64_t participants_ = 0, pending_ = 0, workers_ = 0;
 };
 
+// A forked child: libgomp's team of the parent's main thread did not survive
+// the fork either, and waiting on it would hang.
+bool g_forked = false;
+
 // Never destroyed: detached workers wait on it until the process ends. A
 // forked child has none of the parent's threads, so it starts a new pool.
 Pool* g_pool = [] {
-  pthread_atfork(nullptr, nullptr, [] { g_pool = new Pool(); });
+  pthread_atfork(nullptr, nullptr, [] {
+    g_pool = new Pool();
+    g_forked = true;
+  });
   return new Pool();
 }();
+
+// The process's first thread, whose OpenMP team ATen's own parallel ops use.
+bool on_main_thread() {
+  static const pid_t main_tid = getpid();
+  thread_local const bool is_main = static_cast<pid_t>(syscall(SYS_gettid)) == main_tid;
+  return is_main;
+}
 
 }  // namespace
 
@@ -87,6 +103,13 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain_size,
   const int64_t threads = t_in_parallel ? 1 : std::min(kernel_threads(), (n + grain - 1) / grain);
   if (threads <= 1) {
     f(begin, end);
+    return;
+  }
+  if (on_main_thread() && t_kernel_threads == 0 && !g_forked) {
+    // The main thread's own OpenMP team: after an ATen op its workers spin for
+    // a while, and on a machine with as many CPUs as workers a pool of our own
+    // would contend with them for every core.
+    at::parallel_for(begin, end, grain, f);
     return;
   }
   const int64_t chunk = (n + threads - 1) / threads;

@@ -8,6 +8,12 @@
 // between regions for the rest of the process, so every small parallel ATen op
 // of the main thread waits for its workers to wake (a 256x256 add 4x slower).
 // libgomp does not know of these threads.
+//
+// On the process's main thread the loops run on its OpenMP team instead:
+// those workers spin for a while after each ATen op, and threads of our own
+// would contend with them for the CPUs (on 2 cores, preprocessing 4.3M ids
+// took 32 ms on our threads, 25 ms on the team). Not in a forked child, where
+// that team is gone.
 
 #include <cstdint>
 #include <functional>
