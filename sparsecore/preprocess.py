@@ -247,6 +247,13 @@ def _layout(partition, row, bag, gain, n: int):
 
 _COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
 
+LOOKUP_IN_PASS_MAX_IDS_PER_BAG = 2.0
+"""preprocess_and_look_up looks a pooled stack up inside its preprocessing pass when its bags
+average at most this many ids (one-hot features, as Criteo's). Measured on 2 cores, 26 tables,
+batch 8192, dim 64, the forward took 8.5 ms instead of 10.6 at 1 id a bag and 13.9 instead of
+15.0 at 2; at 5 it was even (22.2 / 22.1) and at 20 slower (67.1 / 60.7): long bags' rows are
+fetched faster by the lookup over the finished buffers."""
+
 
 def _preprocess_pooled(stack: StackSpec, kjt: "KjtView", allow_id_dropping: bool, device: torch.device,
                        weight: torch.Tensor | None) -> tuple[StackBatch, torch.Tensor | None]:
@@ -279,6 +286,12 @@ def _preprocess_pooled(stack: StackSpec, kjt: "KjtView", allow_id_dropping: bool
     batch = StackBatch(row_pointers=row_pointers, embedding_ids=embedding_ids, sample_ids=sample_ids, gains=gains,
                        num_bags=len(slots) * kjt.batch_size, batch_size=kjt.batch_size, stats=stats)
     return batch, None if dropped else rows
+
+
+def _mean_ids_per_bag(stack: StackSpec, kjt: "KjtView") -> float:
+    features = [kjt.index[f] for table in stack.tables for f in table.feature_names]
+    bags = len(features) * kjt.batch_size
+    return int(kjt.lengths[features].sum()) / bags if bags else 0.0
 
 
 def _preprocess_sequence(stack: StackSpec, kjt: "KjtView", allow_id_dropping: bool, lengths_out: dict) -> StackBatch:
@@ -370,14 +383,18 @@ def preprocess_and_look_up(
 ) -> tuple[PreprocessedBatch, dict[str, torch.Tensor]]:
     """``preprocess_stacks``, and the lookups of the pooled stacks named in ``weights`` (their
     tables) done while their buffers are built: per such stack, what ``sparsecore.kernels.lookup``
-    of its buffers returns, to the bit. A stack that dropped ids has no rows here."""
+    of its buffers returns, to the bit. Only stacks whose bags are short (see
+    LOOKUP_IN_PASS_MAX_IDS_PER_BAG) and that dropped no ids have rows here."""
     view = _view_kjt(kjt, stacks)
     lengths: dict[str, torch.Tensor] = {}
     built, rows = {}, {}
     for stack in stacks:
         if stack.is_pooled:
+            weight = weights.get(stack.name)
+            if weight is not None and _mean_ids_per_bag(stack, view) > LOOKUP_IN_PASS_MAX_IDS_PER_BAG:
+                weight = None
             built[stack.name], stack_rows = _preprocess_pooled(stack, view, allow_id_dropping, torch.device(device),
-                                                               weights.get(stack.name))
+                                                               weight)
             if stack_rows is not None:
                 rows[stack.name] = stack_rows
         else:

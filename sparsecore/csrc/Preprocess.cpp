@@ -142,7 +142,7 @@ struct NoLookup {
 
 // Pass 1's bag sink for preprocess_lookup_pooled: sums every bag into its
 // output row. A chunk's bags arrive in bag order, merged; a bag is summed once
-// kLag entries of later bags are staged, so rows can be asked for that far ahead.
+// kLag entries of later bags are staged, so rows can be asked for ahead.
 template <typename scalar_t, int64_t kDim>
 class FusedLookup {
  public:
@@ -156,6 +156,7 @@ class FusedLookup {
         : l_(lookup), scratch_(kDim > 0 ? 0 : lookup.dim_), starts_(lookup.n_ + 1) {}
 
     void add(int64_t bag, const Staged* entries, size_t count) {
+      if (next_to_ask_ == nullptr) next_to_ask_ = entries;
       if (tail_ - head_ == kRing) pop();
       ring_[tail_++ % kRing] = {entries, count, bag};
       queued_ += count;
@@ -180,15 +181,18 @@ class FusedLookup {
     void pop() {
       const Bag b = ring_[head_++ % kRing];
       queued_ -= b.count;
-      // Rows are asked for kLag staged entries ahead, one per entry summed, so
-      // the requests in flight stay level (a bag's worth at once would stall
-      // on the line fill buffers).
-      const size_t staged_after = static_cast<size_t>(staged_end_ - b.entries);
-      for (size_t i = 0; i < b.count && i + kLag < staged_after; ++i) {
-        prefetch_bytes(l_.row(b.entries[i + kLag]), l_.dim_ * sizeof(scalar_t));
-      }
+      // Rows are asked for ahead of their sum, one per entry summed, so the
+      // requests in flight stay level (a bag's worth at once would stall on
+      // the line fill buffers): by the bag's end, kLag entries past it; then
+      // on to the last bag staged, so a long bag's rows are asked for while
+      // the bag before it is summed.
+      ask_for(std::min(staged_end_, b.entries + b.count + kLag));
       BagSum<scalar_t, kDim> sum(l_.dim_, scratch_.data());  // a local: its sum stays in registers
       sum.clear();
+      auto add_row = [&](const Staged& e) {
+        sum.add(l_.row(e), e.gain);
+        if (next_to_ask_ < staged_end_) ask_for(next_to_ask_ + 1);
+      };
       if (b.count > 1 && l_.n_ > 1) {
         // The COO lookup sums a bag owner by owner (its groups), each in
         // staged order: the same order gives the same bits. A stable
@@ -198,17 +202,22 @@ class FusedLookup {
         for (int64_t o = 0; o < l_.n_; ++o) starts_[o + 1] += starts_[o];
         order_.resize(b.count);
         for (size_t i = 0; i < b.count; ++i) order_[starts_[l_.owner(b.entries[i])]++] = &b.entries[i];
-        for (const Staged* e : order_) sum.add(l_.row(*e), e->gain);
+        for (const Staged* e : order_) add_row(*e);
       } else {
-        for (size_t i = 0; i < b.count; ++i) sum.add(l_.row(b.entries[i]), b.entries[i].gain);
+        for (size_t i = 0; i < b.count; ++i) add_row(b.entries[i]);
       }
       sum.store(l_.out_ + l_.row_of_(b.bag) * l_.dim_);
+    }
+
+    void ask_for(const Staged* end) {
+      for (; next_to_ask_ < end; ++next_to_ask_) prefetch_bytes(l_.row(*next_to_ask_), l_.dim_ * sizeof(scalar_t));
     }
 
     const FusedLookup& l_;
     Bag ring_[kRing];
     size_t head_ = 0, tail_ = 0, queued_ = 0;
-    const Staged* staged_end_ = nullptr;  // past the last bag added
+    const Staged* staged_end_ = nullptr;   // past the last bag added
+    const Staged* next_to_ask_ = nullptr;  // the first staged entry whose row is not yet asked for
     std::vector<float> scratch_;  // BagSum's, for any row width
     std::vector<int64_t> starts_;
     std::vector<const Staged*> order_;  // the bag's entries in summing order

@@ -1,7 +1,9 @@
-"""The lookup done while a KJT is preprocessed (preprocess_and_look_up, what forward(KJT) uses)
-gives the bits of the lookup of the finished buffers (what forward(PreprocessedBatch) uses)."""
+"""The lookup done while a KJT is preprocessed (preprocess_and_look_up, what forward(KJT) uses
+for stacks of short bags) gives the bits of the lookup of the finished buffers (what
+forward(PreprocessedBatch) uses)."""
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -41,12 +43,14 @@ def buffers_lookup(weight, stack_batch):
 @pytest.mark.parametrize("dim", [24, 64, 128])
 @pytest.mark.parametrize("data_type", [DataType.FP32, DataType.FP16, DataType.BF16])
 @pytest.mark.parametrize("num_sparsecores", [1, 3, 4])
-def test_rows_equal_the_buffers_lookup_bit_for_bit(dim, data_type, num_sparsecores):
+def test_rows_equal_the_buffers_lookup_bit_for_bit(dim, data_type, num_sparsecores, monkeypatch):
+    # Long bags too (their stacks are looked up apart by default): up to 40 ids, many repeated
+    # (table b has 7 rows), some bags empty; weighted.
+    monkeypatch.setattr(sys.modules["sparsecore.preprocess"], "LOOKUP_IN_PASS_MAX_IDS_PER_BAG", float("inf"))
     configs = tables(dim, data_type)
     stacks = plan_stacks(configs, num_sparsecores)
     dtype = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}[data_type]
     weights = {s.name: torch.randn(num_sparsecores * s.rows_per_sparsecore, dim).to(dtype) for s in stacks}
-    # Up to 40 ids a bag, many repeated (table b has 7 rows), some bags empty; weighted.
     kjt = random_kjt([c.config for c in configs], batch=300, seed=dim, weighted=True, max_len=40)
     batch, rows = preprocess_and_look_up(kjt, stacks, weights)
     assert set(rows) == {s.name for s in stacks}
@@ -56,10 +60,22 @@ def test_rows_equal_the_buffers_lookup_bit_for_bit(dim, data_type, num_sparsecor
         assert torch.equal(rows[s.name], expected)
 
 
+@pytest.mark.parametrize("max_len, looked_up_in_pass", [(3, True), (8, False)])
+def test_only_stacks_of_short_bags_are_looked_up_in_the_pass(max_len, looked_up_in_pass):
+    stacks = plan_stacks(tables(8), 4)
+    weights = {s.name: torch.randn(4 * s.rows_per_sparsecore, 8) for s in stacks}
+    # random_kjt draws lengths in [0, max_len): means 1 and 3.5.
+    kjt = random_kjt([c.config for c in tables(8)], batch=200, seed=2, max_len=max_len)
+    batch, rows = preprocess_and_look_up(kjt, stacks, weights)
+    assert set(rows) == ({s.name for s in stacks} if looked_up_in_pass else set())
+    for name, stack_rows in rows.items():
+        assert torch.equal(stack_rows, buffers_lookup(weights[name], batch.stacks[name]))
+
+
 def test_a_stack_that_dropped_ids_has_no_rows_and_forward_looks_up_what_was_kept():
     tight = [dataclasses.replace(c, max_ids_per_partition=3, max_unique_ids_per_partition=2) for c in tables(8)]
     engine = SparseCoreEmbeddingBagCollection(tight, device="tpu", num_sparsecores=2, allow_id_dropping=True)
-    kjt = random_kjt([c.config for c in tight], batch=20, seed=1, max_len=6)
+    kjt = random_kjt([c.config for c in tight], batch=20, seed=1, max_len=3)
     weights = {s.name: engine._weights[s.name].detach() for s in engine.stacks}
     batch, rows = preprocess_and_look_up(kjt, engine.stacks, weights, allow_id_dropping=True, device="tpu")
     assert all(batch.stats[s.name].dropped_ids > 0 for s in engine.stacks)
@@ -75,7 +91,7 @@ def test_training_from_a_kjt_equals_training_from_its_preprocessed_batch(device)
                for _ in range(2)]
     engines[1].load_state_dict(engines[0].state_dict())
     for step in range(3):
-        kjt = random_kjt([c.config for c in configs], batch=64, seed=10 + step, max_len=12)
+        kjt = random_kjt([c.config for c in configs], batch=64, seed=10 + step, max_len=3)
         grads = torch.randn(64, 4 * 64, generator=torch.Generator().manual_seed(step)).to(device)
         outputs = [engines[0](kjt).values(), engines[1](engines[1].preprocess(kjt)).values()]
         assert torch.equal(outputs[0].cpu(), outputs[1].cpu())
