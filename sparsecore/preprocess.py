@@ -29,6 +29,7 @@ with bags ``[3, 3, 4]`` and ``[5]``::
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -291,7 +292,7 @@ def _preprocess_pooled(stack: StackSpec, kjt: "KjtView", allow_id_dropping: bool
 def _mean_ids_per_bag(stack: StackSpec, kjt: "KjtView") -> float:
     features = [kjt.index[f] for table in stack.tables for f in table.feature_names]
     bags = len(features) * kjt.batch_size
-    return int(kjt.lengths[features].sum()) / bags if bags else 0.0
+    return sum(kjt.ids_per_key[i] for i in features) / bags if bags else 0.0
 
 
 def _preprocess_sequence(stack: StackSpec, kjt: "KjtView", allow_id_dropping: bool, lengths_out: dict) -> StackBatch:
@@ -323,12 +324,15 @@ class KjtView:
     index: dict[str, int]
     batch_size: int
 
+    @functools.cached_property
+    def ids_per_key(self) -> list[int]:
+        return self.lengths.sum(1).tolist()
+
     def feature(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(values, lengths) of one feature."""
         i = self.index[key]
-        per_key = self.lengths.sum(1)
-        start = int(per_key[:i].sum())
-        return self.values[start:start + int(per_key[i])].long(), self.lengths[i]
+        start = sum(self.ids_per_key[:i])
+        return self.values[start:start + self.ids_per_key[i]].long(), self.lengths[i]
 
 
 def _view_kjt(kjt: KeyedJaggedTensor, stacks: Sequence[StackSpec]) -> KjtView:
