@@ -80,13 +80,6 @@ struct StagingBuffer {
   }
 };
 
-// An index table of 256 slots, all empty (-1) to begin with.
-struct BagMergerSlots {
-  int32_t v[256];
-  BagMergerSlots() { std::fill(v, v + 256, -1); }
-  int32_t& operator[](size_t i) { return v[i]; }
-};
-
 // Merges ids repeated within one bag (gains summed), in place; returns the
 // merged count. Bags are short, so a small open-addressing table beats
 // sorting them; bags past 128 ids are sorted.
@@ -105,30 +98,38 @@ class BagMerger {
       }
       return out;
     }
+    // A slot holds (bag tag << 8 | index into the bag); slots of other bags'
+    // tags are empty, so nothing is cleared between bags.
+    if (++tag_ == kTags) {
+      std::fill(slot_, slot_ + kSlots, 0u);
+      tag_ = 1;
+    }
     size_t out = 0;
     for (size_t i = 0; i < size; ++i) {
       const uint64_t key = key_of(bag[i]);
       uint32_t h = static_cast<uint32_t>((key * 0x9E3779B97F4A7C15ull) >> 56);  // 8 bits
-      while (slot_[h] >= 0 && key_of(bag[slot_[h]]) != key) h = (h + 1) & (kSlots - 1);
-      if (slot_[h] >= 0) {
-        bag[slot_[h]].gain += bag[i].gain;
-      } else {
-        bag[out] = bag[i];
-        slot_[h] = static_cast<int32_t>(out++);
-        used_[used_count_++] = h;
+      for (;; h = (h + 1) & (kSlots - 1)) {
+        const uint32_t slot = slot_[h];
+        if (slot >> 8 != tag_) {
+          bag[out] = bag[i];
+          slot_[h] = tag_ << 8 | static_cast<uint32_t>(out++);
+          break;
+        }
+        if (key_of(bag[slot & 255]) == key) {
+          bag[slot & 255].gain += bag[i].gain;
+          break;
+        }
       }
     }
-    for (size_t i = 0; i < used_count_; ++i) slot_[used_[i]] = -1;
-    used_count_ = 0;
     return out;
   }
 
  private:
   static constexpr size_t kSmall = 128;  // at most half the slots used
   static constexpr uint32_t kSlots = 256;
-  BagMergerSlots slot_;
-  uint32_t used_[kSmall] = {};
-  size_t used_count_ = 0;
+  static constexpr uint32_t kTags = 1u << 24;
+  uint32_t slot_[kSlots] = {};  // tag 0: never a bag's
+  uint32_t tag_ = 0;
 };
 
 // Pass 1's bag sink when only the buffers are wanted.
