@@ -29,9 +29,9 @@ setup(
             name="sparsecore._kernels",
             sources=sorted(glob.glob("sparsecore/csrc/*.cpp")),
             # OpenMP for the main thread's loops only; elsewhere the kernels run
-            # them on threads of their own (csrc/ThreadPool.h says why). -fno-math-errno: sqrt is then one
-            # vector instruction, not a call guarded per element (optimizer
-            # state is never negative).
+            # them on threads of their own (csrc/ThreadPool.h says why).
+            # -fno-math-errno: sqrt is then one vector instruction, not a call
+            # guarded per element (optimizer state is never negative).
             extra_compile_args=COMPILE_ARGS + ["-march=native", "-fno-math-errno", "-fopenmp"],
             extra_link_args=["-fopenmp"],
         ),

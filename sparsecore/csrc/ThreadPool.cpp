@@ -18,6 +18,12 @@ namespace {
 thread_local int64_t t_kernel_threads = 0;
 thread_local bool t_in_parallel = false;
 
+// Marks this thread as running a chunk, so a parallel_for inside it runs inline.
+struct InParallel {
+  InParallel() { t_in_parallel = true; }
+  ~InParallel() { t_in_parallel = false; }
+};
+
 // Workers sleep between jobs: the kernels' loops run for milliseconds, so a
 // wake-up's tens of microseconds do not count, and sleeping threads leave the
 // CPUs to the main thread's OpenMP team.
@@ -109,7 +115,10 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain_size,
     // The main thread's own OpenMP team: after an ATen op its workers spin for
     // a while, and on a machine with as many CPUs as workers a pool of our own
     // would contend with them for every core.
-    at::parallel_for(begin, end, grain, f);
+    at::parallel_for(begin, end, grain, [&](int64_t chunk_begin, int64_t chunk_end) {
+      InParallel scope;
+      f(chunk_begin, chunk_end);
+    });
     return;
   }
   const int64_t chunk = (n + threads - 1) / threads;
@@ -118,13 +127,12 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain_size,
   g_pool->run(threads, [&](int64_t i) {
     const int64_t chunk_begin = begin + i * chunk;
     if (chunk_begin >= end) return;
-    t_in_parallel = true;
+    InParallel scope;
     try {
       f(chunk_begin, std::min(end, chunk_begin + chunk));
     } catch (...) {
       std::call_once(first_error, [&] { error = std::current_exception(); });
     }
-    t_in_parallel = false;
   });
   if (error) std::rethrow_exception(error);
 }
