@@ -25,7 +25,7 @@ from sparsecore.fused import exchanged_update, fused_lookup, fused_update, place
 from sparsecore.fused_optimizer import FusedOptimizer, StepCount, TableState
 from sparsecore.kernels import lookup
 from sparsecore.optim import Optimizer, from_torch_optim
-from sparsecore.preprocess import PreprocessedBatch, Preprocessor, StackBatch, preprocess_and_look_up, preprocess_stacks
+from sparsecore.preprocess import PreprocessedBatch, Preprocessor, StackBatch, preprocess_and_look_up
 from sparsecore.stacking import StackSpec, plan_stacks
 
 
@@ -226,10 +226,16 @@ class SparseCoreCollection(nn.Module):
     # ---- lookups ----
 
     def preprocess(self, features: KeyedJaggedTensor) -> PreprocessedBatch:
+        return self._preprocess(features, {})[0]
+
+    def _preprocess(self, features: KeyedJaggedTensor, weights: dict[str, torch.Tensor]
+                    ) -> tuple[PreprocessedBatch, dict[str, torch.Tensor]]:
+        """``preprocess_and_look_up`` of ``features`` for this module's stacks, observed."""
         device = self._device if self._device.type != "meta" else torch.device("cpu")
-        batch = preprocess_stacks(features, self._stacks, allow_id_dropping=self._allow_id_dropping, device=device)
+        batch, rows = preprocess_and_look_up(features, self._stacks, weights,
+                                             allow_id_dropping=self._allow_id_dropping, device=device)
         self._observe(batch)
-        return batch
+        return batch, rows
 
     def _preprocess_and_look_up(self, features: KeyedJaggedTensor | PreprocessedBatch
                                 ) -> tuple[PreprocessedBatch, dict[str, torch.Tensor]]:
@@ -238,11 +244,7 @@ class SparseCoreCollection(nn.Module):
         its lookups are ops of the graph, its preprocessing is not."""
         if isinstance(features, PreprocessedBatch) or torch.compiler.is_compiling() or self._device.type == "meta":
             return self._batch_of(features), {}
-        weights = {s.name: self._weights[s.name].detach() for s in self._stacks if s.is_pooled}
-        batch, rows = preprocess_and_look_up(features, self._stacks, weights,
-                                             allow_id_dropping=self._allow_id_dropping, device=self._device)
-        self._observe(batch)
-        return batch, rows
+        return self._preprocess(features, {s.name: self._weights[s.name].detach() for s in self._stacks if s.is_pooled})
 
     def preprocessor(self) -> Preprocessor:
         """What a data loader needs to preprocess ahead for this module (host buffers; the
@@ -254,16 +256,19 @@ class SparseCoreCollection(nn.Module):
         return (coo.row_pointers.to(device), coo.embedding_ids.to(device), coo.sample_ids.to(device),
                 coo.gains.to(device), coo.num_bags, coo.batch_size)
 
+    def _rows(self, stack: StackSpec, coo: tuple, rows: torch.Tensor | None) -> torch.Tensor:
+        """``rows`` if they were looked up while preprocessing, else the lookup of ``coo`` (on the device)."""
+        return lookup(self._weights[stack.name], *coo) if rows is None else rows
+
     def _lookup(self, stack: StackSpec, coo: StackBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
         """(bags, dim) rows of one stack (``rows``: already looked up from ``coo``); trains the
         stack in the backward if there is an optimizer."""
         weight = self._weights[stack.name]
         args = self._device_coo(stack, coo)
         if self._optimizer is None or not torch.is_grad_enabled():
-            return lookup(weight, *args) if rows is None else rows
+            return self._rows(stack, args, rows)
         if rows is not None or stack.name in self._row_exchanges:
-            rows = lookup(weight, *args) if rows is None else rows
-            return trained_rows(self._placeholder, rows, self._update_of(stack, args))
+            return trained_rows(self._placeholder, self._rows(stack, args, rows), self._update_of(stack, args))
         # A compiled graph's backward has no executor order to keep: its updates run inline.
         deferred = self._defers_updates and not torch.compiler.is_compiling()
         return fused_lookup(self._placeholder, weight, list(self._optimizer_state[stack.name].values()),
@@ -316,8 +321,7 @@ class SparseCoreCollection(nn.Module):
             out = {}
             for stack in self._stacks:
                 coo = self._device_coo(stack, batch.stacks[stack.name])
-                out[stack.name] = (rows[stack.name] if stack.name in rows else lookup(self._weights[stack.name], *coo),
-                                   coo)
+                out[stack.name] = (self._rows(stack, coo, rows.get(stack.name)), coo)
         return batch, out
 
     def _attach(self, batch: PreprocessedBatch, looked_up: dict) -> dict[str, torch.Tensor]:

@@ -558,7 +558,8 @@ preprocess_lookup_pooled(
     at::IntArrayRef features, at::IntArrayRef num_embeddings, at::IntArrayRef rotations,
     at::IntArrayRef row_offsets, at::IntArrayRef combiners, int64_t num_sparsecores, int64_t batch_size,
     int64_t rows_per_sparsecore, int64_t max_ids, int64_t max_unique, bool allow_drop, at::Device device) {
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "lookup: weight must be a contiguous 2-D table");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(),
+              "preprocess_lookup_pooled: weight must be a contiguous 2-D table");
   TORCH_CHECK(weight.size(0) == num_sparsecores * rows_per_sparsecore, "preprocess_lookup_pooled: weight has ",
               weight.size(0), " rows, expected ", num_sparsecores, " x ", rows_per_sparsecore);
   const int64_t num_bags = static_cast<int64_t>(features.size()) * batch_size;
@@ -576,8 +577,7 @@ preprocess_lookup_pooled(
                                device, sink);
     });
   });
-  auto& [row_pointers, embedding_ids, sample_ids, gains, counts, dropped, bad_slot, bad_id] = result;
-  return {row_pointers, embedding_ids, sample_ids, gains, counts, dropped, bad_slot, bad_id, out};
+  return std::tuple_cat(std::move(result), std::make_tuple(out));
 }
 
 } // namespace

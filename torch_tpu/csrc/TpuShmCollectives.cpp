@@ -4,6 +4,7 @@
 #include <ATen/CPUFunctions.h>
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -292,13 +293,12 @@ void check_blocks(Rounds& rounds, const char* what, const at::Tensor& input, con
                   bool output_is_whole, int world) {
   const at::Tensor& whole = output_is_whole ? output : input;
   const at::Tensor& block = output_is_whole ? input : output;
-  const std::string wrong = failure_of([&] {
-    TORCH_CHECK(whole.numel() == block.numel() * world && whole.scalar_type() == block.scalar_type(),
-                "tpu_dist ", what, ": the ", output_is_whole ? "output" : "input", " must hold world size (", world,
-                ") times the ", output_is_whole ? "input" : "output", "'s elements of the same dtype; got input ",
-                input.scalar_type(), input.sizes(), " and output ", output.scalar_type(), output.sizes());
-  });
-  if (!wrong.empty()) rounds.fail_with(wrong);
+  if (whole.numel() != block.numel() * world || whole.scalar_type() != block.scalar_type()) {
+    rounds.fail_with(c10::str("tpu_dist ", what, ": the ", output_is_whole ? "output" : "input",
+                              " must hold world size (", world, ") times the ", output_is_whole ? "input" : "output",
+                              "'s elements of the same dtype; got input ", input.scalar_type(), input.sizes(),
+                              " and output ", output.scalar_type(), output.sizes()));
+  }
 }
 
 } // namespace
