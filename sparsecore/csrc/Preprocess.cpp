@@ -25,6 +25,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -63,6 +64,61 @@ struct Staged {
 
 inline uint64_t key_of(const Staged& x) {
   return static_cast<uint64_t>(static_cast<uint32_t>(x.partition)) << 32 | static_cast<uint32_t>(x.row);
+}
+
+// Walks a stack's bags k = slot * batch_size + b in order without dividing
+// per bag (a division costs more than a one-id bag's other work), keeping the
+// receiving SparseCore of sample b: the owner-0 partition of its batch slice.
+class BagCursor {
+ public:
+  BagCursor(int64_t k_begin, int64_t batch_size, int64_t slice, int64_t n)
+      : k(k_begin), slot(batch_size > 0 ? k_begin / batch_size : 0), b(batch_size > 0 ? k_begin % batch_size : 0),
+        batch_size_(batch_size), slice_(slice), n_(n) {  // slice >= 1; an empty batch has no bags to walk
+    find_receiver();
+  }
+  void next() {
+    ++k;
+    if (++b == batch_size_) {
+      b = 0;
+      ++slot;
+    }
+    if (b == 0 || b == receiver_end_) find_receiver();
+  }
+
+  int64_t k, slot, b;
+  int32_t receiver_base = 0;
+
+ private:
+  void find_receiver() {
+    const int64_t receiver = b / slice_;
+    receiver_base = static_cast<int32_t>(receiver * n_);
+    receiver_end_ = std::min((receiver + 1) * slice_, batch_size_);
+  }
+  int64_t batch_size_, slice_, n_;
+  int64_t receiver_end_ = 0;
+};
+
+// Runs f(claim) on every kernel thread; each takes chunks one at a time with
+// `for (int64_t c; claim(c);)` until none is left. Chunks of the same size
+// cost unequally (a small table's rows stay in cache, a large one's do not),
+// so an even split in advance leaves one thread waiting for the other.
+class ChunkClaim {
+ public:
+  explicit ChunkClaim(int64_t num_chunks) : num_chunks_(num_chunks) {}
+  bool operator()(int64_t& chunk) const {
+    chunk = next_.fetch_add(1, std::memory_order_relaxed);
+    return chunk < num_chunks_;
+  }
+
+ private:
+  int64_t num_chunks_;
+  mutable std::atomic<int64_t> next_{0};
+};
+
+template <typename F>
+void for_each_chunk(int64_t num_chunks, const F& f) {
+  const ChunkClaim claim(num_chunks);
+  parallel_for(0, std::min(num_chunks, kernel_threads()), 1, [&](int64_t, int64_t) { f(claim); });
 }
 
 // Pass 1's output for one chunk: grown, never shrunk or value-initialised
@@ -380,29 +436,29 @@ Preprocessed preprocess_impl(
   if (static_cast<int64_t>(staged.size()) < num_chunks) staged.resize(num_chunks);
   std::vector<int64_t> counts(num_chunks * n * n, 0);
   std::vector<int64_t> bad(num_chunks * 2, -1);
-  parallel_for(0, num_chunks, 1, [&](int64_t first_chunk, int64_t last_chunk) {
+  for_each_chunk(num_chunks, [&](const ChunkClaim& claim) {
     std::vector<float> gains;
     BagMerger merger;
-    for (int64_t c = first_chunk; c < last_chunk; ++c) {
+    const ShardMap map = shard;  // a local: kept in registers across the stores below
+    for (int64_t c; claim(c);) {
       int64_t* count = counts.data() + c * n * n;
       const int64_t k_begin = num_bags * c / num_chunks, k_end = num_bags * (c + 1) / num_chunks;
       int64_t expected = 0;
-      for (int64_t k = k_begin; k < k_end; ++k) {
-        const int64_t bag_index = features[k / batch_size] * batch_size + k % batch_size;
+      for (BagCursor at(k_begin, batch_size, slice, n); at.k < k_end; at.next()) {
+        const int64_t bag_index = features[at.slot] * batch_size + at.b;
         expected += starts[bag_index + 1] - starts[bag_index];
       }
       staged[c].reset(static_cast<size_t>(expected));
       Staged* out = staged[c].data.get();
       auto bags = sink.chunk();
-      for (int64_t k = k_begin; k < k_end; ++k) {
-        const int64_t j = k / batch_size, b = k % batch_size;
+      for (BagCursor at(k_begin, batch_size, slice, n); at.k < k_end; at.next()) {
+        const int64_t k = at.k, j = at.slot, b = at.b;
         const int64_t bag_index = features[j] * batch_size + b;
         const int64_t begin = starts[bag_index], length = starts[bag_index + 1] - begin;
         if (length == 0) {
           bags.add(k, out, 0);
           continue;
         }
-        const int32_t receiver_base = static_cast<int32_t>(b / slice * n);
         // Unweighted sum and mean bags give all their ids one gain.
         const bool shared_gain = wts == nullptr && combiners[j] != kSqrtn;
         const float gain = combiners[j] == kMean ? 1.0f / static_cast<float>(length) : 1.0f;
@@ -416,8 +472,8 @@ Preprocessed preprocess_impl(
             return;
           }
           const int64_t shifted = id + rotation;
-          out[i] = {receiver_base + static_cast<int32_t>(shard.owner(shifted)),
-                    static_cast<int32_t>(row_offset + shard.row(shifted)), static_cast<int32_t>(k),
+          out[i] = {at.receiver_base + static_cast<int32_t>(map.owner(shifted)),
+                    static_cast<int32_t>(row_offset + map.row(shifted)), static_cast<int32_t>(k),
                     shared_gain ? gain : gains[i]};
         }
         const size_t merged = length == 1 ? 1 : merger.merge(out, static_cast<size_t>(length));
@@ -453,8 +509,8 @@ Preprocessed preprocess_impl(
       offset += counts[c * n * n + p];
     }
   }
-  parallel_for(0, num_chunks, 1, [&](int64_t first_chunk, int64_t last_chunk) {
-    for (int64_t c = first_chunk; c < last_chunk; ++c) {
+  for_each_chunk(num_chunks, [&](const ChunkClaim& claim) {
+    for (int64_t c; claim(c);) {
       int64_t* at = cursor.data() + c * n * n;
       for (const Staged* e = staged[c].data.get(); e != staged[c].data.get() + staged[c].size; ++e) {
         const int64_t i = at[e->partition]++;
