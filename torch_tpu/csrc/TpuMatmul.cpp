@@ -5,6 +5,7 @@
 #include "TpuHost.h"
 #include "TpuMxu.h"
 #include "TpuPrecision.h"
+#include "TpuSmallBmm.h"
 
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/addbmm.h>
@@ -47,9 +48,15 @@ at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
 }
 
 at::Tensor bmm(const at::Tensor& a, const at::Tensor& b) {
-  if (effective_precision(a, b) == Precision::kMedium) {
+  const Precision precision = effective_precision(a, b);
+  if (precision == Precision::kMedium) {
     if (auto fast = bf16_bmm(a, b); fast.defined()) {
       return fast;
+    }
+  }
+  if (precision != Precision::kHigh) {
+    if (auto small = small_bmm(a, b, precision == Precision::kMedium); small.defined()) {
+      return small;
     }
   }
   return on_mxu(a, b, [](const at::Tensor& a, const at::Tensor& b, bool) { return at::bmm(a, b); });

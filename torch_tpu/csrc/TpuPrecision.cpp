@@ -33,18 +33,21 @@ Precision effective_precision(const at::Tensor& a, const at::Tensor& b) {
 
 namespace {
 
-// fp32 bits -> the fp32 bits of the nearest bf16 (ties to even), as
-// c10::BFloat16's conversion rounds; NaN becomes the canonical quiet NaN and
-// subnormals become zero, as the MXU flushes them (and so does the bf16
-// dot-product instruction of TpuBf16Kernel: every medium path agrees).
-inline uint32_t bf16_bits(uint32_t x) {
-  if ((x & 0x7fffffffu) > 0x7f800000u) {
-    return 0x7fc00000u;
+bool avx2_available() {
+  static const bool available = __builtin_cpu_supports("avx2");
+  return available;
+}
+
+// dst[i] = bf16_bits(src[i]) for whole vectors of [begin, end) (a scalar loop
+// is about 10x slower: its branches keep the compiler from vectorizing it);
+// returns where the vectors stop.
+__attribute__((target("avx2"))) int64_t round_span_avx2(const uint32_t* src, uint32_t* dst, int64_t begin,
+                                                         int64_t end) {
+  for (; begin + 8 <= end; begin += 8) {
+    const __m256 v = _mm256_loadu_ps(reinterpret_cast<const float*>(src + begin));
+    _mm256_storeu_ps(reinterpret_cast<float*>(dst + begin), bf16_round8(v));
   }
-  if ((x & 0x7f800000u) == 0) {
-    return x & 0x80000000u;
-  }
-  return (x + 0x7fffu + ((x >> 16) & 1u)) & 0xffff0000u;
+  return begin;
 }
 
 } // namespace
@@ -64,6 +67,9 @@ at::Tensor round_to_bf16(const at::Tensor& t) {
   const auto* src = static_cast<const uint32_t*>(t.const_data_ptr());
   auto* dst = static_cast<uint32_t*>(out.mutable_data_ptr());
   at::parallel_for(0, t.numel(), 1 << 15, [&](int64_t begin, int64_t end) {
+    if (avx2_available()) {
+      begin = round_span_avx2(src, dst, begin, end);
+    }
     for (int64_t i = begin; i < end; ++i) {
       dst[i] = bf16_bits(src[i]);
     }

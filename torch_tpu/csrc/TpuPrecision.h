@@ -7,6 +7,10 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/sub.h>
 
+#include <cstdint>
+
+#include <immintrin.h>
+
 namespace torch_tpu {
 
 enum class Precision : int64_t { kHighest = 0, kHigh = 1, kMedium = 2 };
@@ -22,6 +26,36 @@ at::Tensor on_mxu(const at::Tensor& a, const at::Tensor& b, F f);
 
 // bf16 rounding that stays fp32: the value the MXU multiplies.
 at::Tensor round_to_bf16(const at::Tensor& t);
+
+// fp32 bits -> the fp32 bits of the nearest bf16 (ties to even), as
+// c10::BFloat16's conversion rounds; NaN becomes the canonical quiet NaN and
+// subnormals become zero, as the MXU flushes them (and so does the bf16
+// dot-product instruction of TpuBf16Kernel: every medium path agrees).
+inline uint32_t bf16_bits(uint32_t x) {
+  if ((x & 0x7fffffffu) > 0x7f800000u) {
+    return 0x7fc00000u;
+  }
+  if ((x & 0x7f800000u) == 0) {
+    return x & 0x80000000u;
+  }
+  return (x + 0x7fffu + ((x >> 16) & 1u)) & 0xffff0000u;
+}
+
+// bf16_bits on 8 lanes, for code compiled for AVX2 (target attribute: the
+// library is built for any x86-64 and picks AVX2 at run time).
+__attribute__((target("avx2"))) inline __m256 bf16_round8(__m256 v) {
+  const __m256i x = _mm256_castps_si256(v);
+  const __m256i magnitude = _mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff));
+  const __m256i nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7f800000));
+  const __m256i subnormal =
+      _mm256_cmpeq_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7f800000)), _mm256_setzero_si256());
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), odd);
+  r = _mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+  r = _mm256_blendv_epi8(r, _mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0x80000000u))), subnormal);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), nan);
+  return _mm256_castsi256_ps(r);
+}
 
 // ---- implementation ----
 
