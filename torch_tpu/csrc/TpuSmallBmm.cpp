@@ -13,7 +13,8 @@
 namespace torch_tpu {
 namespace {
 
-// What counts as small: one batch element's packed operands stay in L1.
+// What counts as small: a batch element's packed operands stay in L2 (DLRM's
+// Gram matrix packs 14 KB, in L1).
 constexpr int64_t kMaxRows = 64;
 constexpr int64_t kMaxCols = 128;
 constexpr int64_t kMaxDepth = 512;

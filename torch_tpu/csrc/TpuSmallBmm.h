@@ -4,7 +4,7 @@
 // (B, 27, 64). Per matrix, MKL's batched GEMM spends more time getting ready
 // than multiplying at these sizes (about 17 GFLOP/s on one core here, for
 // about 50 at large shapes). This kernel packs each batch element's operands
-// into small row-major blocks that stay in L1 (rounding them to bf16 on the
+// into small row-major blocks that stay in cache (rounding them to bf16 on the
 // way at medium precision) and multiplies them in AVX2 registers.
 
 #include <ATen/core/Tensor.h>
