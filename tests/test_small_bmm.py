@@ -7,9 +7,9 @@ import torch
 
 
 def mxu_operand(t: torch.Tensor) -> torch.Tensor:
-    """What the MXU multiplies at medium precision: bf16 (ties to even), subnormals flushed."""
-    r = t.to(torch.bfloat16).float()
-    return torch.where(r.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(r), r)
+    """What the MXU multiplies at medium precision: fp32 subnormals flushed, then bf16 (ties to even)."""
+    flushed = torch.where(t.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(t), t)
+    return flushed.to(torch.bfloat16).float()
 
 
 def reference(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
@@ -23,17 +23,24 @@ def tpu_bmm(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
         return torch.bmm(a.to("tpu"), b.to("tpu")).cpu()
 
 
+# Register blocks are up to 4 rows x 3 vectors of 8 columns; the shapes below reach every
+# block<rows, vectors> the kernel has (rows = m mod 4 at the edge, vectors = what is left of n).
 SHAPES = [  # batch, m, k, n
-    (1024, 27, 64, 27),  # DLRM's Gram matrix (26 features + the dense one, dim 64)
-    (1024, 27, 27, 64),  # its backward: (g + g^T) @ x
-    (1, 1, 1, 1),
-    (3, 5, 3, 9),  # a 1-row edge block, a partial vector
-    (2, 7, 13, 17),  # 3-row edge block; the last 1-vector block holds one column
-    (4, 8, 1, 24),  # exactly one register block wide
+    (1024, 27, 64, 27),  # DLRM's Gram matrix (26 features + the dense one, dim 64): blocks 4x3, 3x3, 4x1, 3x1
+    (1024, 27, 27, 64),  # its backward, (g + g^T) @ x: 4x3, 3x3, 4x2, 3x2
+    (1, 1, 1, 1),  # 1x1
+    (3, 5, 3, 9),  # 4x2, 1x2: a partial vector
+    (2, 9, 4, 24),  # 4x3, 1x3: exactly one block wide
+    (3, 6, 5, 40),  # 4x3, 2x3, 4x2, 2x2
+    (2, 6, 4, 30),  # 2x3, 2x1 with 6 of 8 columns stored
+    (2, 2, 7, 17),  # 2x3 with one column of the last vector stored
+    (4, 8, 1, 24),  # depth 1
     (2, 64, 512, 128),  # the largest "small" shape
     (2, 65, 16, 8),  # past it: the general path
     (2, 4, 513, 8),
 ]
+
+SMALL = [shape for shape in SHAPES if shape[1] <= 64 and shape[2] <= 512 and shape[3] <= 128]
 
 
 @pytest.mark.parametrize("precision", ["highest", "medium"])
@@ -46,12 +53,43 @@ def test_bmm_matches_the_float64_reference(precision, batch, m, k, n):
     torch.testing.assert_close(got, reference(a, b, precision), atol=2e-6 * k ** 0.5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("round_operands", [False, True])
+@pytest.mark.parametrize("batch, m, k, n", SMALL)
+def test_the_kernel_alone_matches_the_float64_reference(round_operands, batch, m, k, n):
+    g = torch.Generator().manual_seed(batch + m + k + n)
+    a, b = torch.randn(batch, m, k, generator=g), torch.randn(batch, k, n, generator=g)
+    got = torch.ops.torch_tpu._small_bmm(a, b, round_operands)
+    expected = reference(a, b, "medium" if round_operands else "highest")
+    torch.testing.assert_close(got, expected, atol=2e-6 * k ** 0.5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["highest", "medium"])
+def test_tpu_bmm_of_small_matrices_runs_no_cpu_bmm(precision):
+    # Its results can match MKL's bit for bit (both sum k in order at these sizes), so the path
+    # shows in the profile instead: the kernel only allocates its output, where the general
+    # path runs ATen's CPU bmm on the host views (its resolve_conj calls, at medium its
+    # rounded copies and a second aten::bmm).
+    x = torch.randn(256, 27, 64, device="tpu")
+    with torch.tpu.precision(precision), torch.profiler.profile() as small:
+        torch.bmm(x, x.transpose(1, 2))
+    big = torch.randn(2, 65, 16, device="tpu")
+    with torch.tpu.precision(precision), torch.profiler.profile() as general:
+        torch.bmm(big, big.transpose(1, 2))
+    allocation_only = {"aten::transpose", "aten::as_strided", "aten::bmm", "aten::empty"}
+    assert {e.name for e in small.events()} <= allocation_only
+    assert sum(e.name == "aten::bmm" for e in small.events()) == 1
+    assert not {e.name for e in general.events()} <= allocation_only
+    with pytest.raises(RuntimeError, match="does not take a"):
+        torch.ops.torch_tpu._small_bmm(big.cpu(), big.cpu().transpose(1, 2), False)
+
+
 @pytest.mark.parametrize("precision", ["highest", "medium"])
 def test_gram_of_strided_and_broadcast_operands(precision):
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(64, 27, 80, generator=g)[:, :, 8:72]  # rows 80 apart: not contiguous
+    x = torch.randn(64, 27, 80, generator=g)
     with torch.tpu.precision(precision):
-        xt = x.to("tpu")
+        xt = x.to("tpu")[:, :, 8:72]  # rows 80 apart on the device: not contiguous
+        x = x[:, :, 8:72]
         gram = torch.bmm(xt, xt.transpose(1, 2)).cpu()  # b reads x down its columns
         shared = torch.bmm(xt, xt[0].t().expand(64, -1, -1)).cpu()  # b with batch stride 0
         columns = torch.bmm(xt.transpose(1, 2)[:, ::2], xt[:, :, :13]).cpu()  # a strided both ways

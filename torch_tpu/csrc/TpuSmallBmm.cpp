@@ -4,6 +4,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -167,6 +168,28 @@ at::Tensor small_bmm(const at::Tensor& a, const at::Tensor& b, bool round_operan
     }
   });
   return out;
+}
+
+namespace {
+
+// torch.ops.torch_tpu._small_bmm: the kernel alone on CPU tensors, for tests
+// (which path a tpu bmm took is otherwise invisible).
+at::Tensor small_bmm_op(const at::Tensor& a, const at::Tensor& b, bool round_operands) {
+  at::Tensor out = small_bmm(a, b, round_operands);
+  TORCH_CHECK(out.defined(), "_small_bmm: the kernel does not take a ", a.sizes(), " ", a.scalar_type(), " @ ",
+              b.sizes(), " ", b.scalar_type(), " bmm on this CPU (fp32, 3-D, m <= ", kMaxRows, ", k <= ", kMaxDepth,
+              ", n <= ", kMaxCols, ", AVX2 and FMA)");
+  return out;
+}
+
+} // namespace
+
+TORCH_LIBRARY_FRAGMENT(torch_tpu, m) {
+  m.def("_small_bmm(Tensor a, Tensor b, bool round_operands) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(torch_tpu, CPU, m) {
+  m.impl("_small_bmm", small_bmm_op);
 }
 
 } // namespace torch_tpu
