@@ -426,7 +426,17 @@ Preprocessed preprocess_impl(
   // validate, map to (owner, row), merge within the bag, stage with counts.
   const int64_t slice = std::max<int64_t>((batch_size + n - 1) / n, 1);
   const int64_t num_bags = slots * batch_size;
-  const ShardMap shard(n);
+  // Ids in the stack's bags [k_begin, k_end): within a slot its bags are one
+  // run of the KJT's.
+  auto ids_of_bags = [&](int64_t k_begin, int64_t k_end) {
+    int64_t ids = 0;
+    for (int64_t slot = k_begin / std::max<int64_t>(batch_size, 1); slot * batch_size < k_end; ++slot) {
+      const int64_t first = features[slot] * batch_size;
+      ids += starts[first + std::min(k_end - slot * batch_size, batch_size)] -
+             starts[first + std::max<int64_t>(k_begin - slot * batch_size, 0)];
+    }
+    return ids;
+  };
   const int64_t num_chunks = std::max<int64_t>(1, std::min<int64_t>(num_bags / 256, 8 * kernel_threads()));
   // Staging buffers stay with the calling thread between calls: fresh pages
   // would cost a fault each.
@@ -439,16 +449,11 @@ Preprocessed preprocess_impl(
   for_each_chunk(num_chunks, [&](const ChunkClaim& claim) {
     std::vector<float> gains;
     BagMerger merger;
-    const ShardMap map = shard;  // a local: kept in registers across the stores below
+    const ShardMap map(n);  // a local: kept in registers across the stores below
     for (int64_t c; claim(c);) {
       int64_t* count = counts.data() + c * n * n;
       const int64_t k_begin = num_bags * c / num_chunks, k_end = num_bags * (c + 1) / num_chunks;
-      int64_t expected = 0;
-      for (BagCursor at(k_begin, batch_size, slice, n); at.k < k_end; at.next()) {
-        const int64_t bag_index = features[at.slot] * batch_size + at.b;
-        expected += starts[bag_index + 1] - starts[bag_index];
-      }
-      staged[c].reset(static_cast<size_t>(expected));
+      staged[c].reset(static_cast<size_t>(ids_of_bags(k_begin, k_end)));
       Staged* out = staged[c].data.get();
       auto bags = sink.chunk();
       for (BagCursor at(k_begin, batch_size, slice, n); at.k < k_end; at.next()) {

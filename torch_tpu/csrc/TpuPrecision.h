@@ -8,6 +8,7 @@
 #include <ATen/ops/sub.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include <immintrin.h>
 
@@ -40,6 +41,19 @@ inline uint32_t bf16_bits(uint32_t x) {
   }
   return (x + 0x7fffu + ((x >> 16) & 1u)) & 0xffff0000u;
 }
+
+// bf16_bits of a float's value.
+inline float bf16_round(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  bits = bf16_bits(bits);
+  std::memcpy(&v, &bits, sizeof bits);
+  return v;
+}
+
+// dst[i] = bf16_round(src[i]) for n floats, 8 at a time where the CPU has AVX2
+// (one thread; round_to_bf16 shares a tensor out over threads).
+void round_to_bf16(const float* src, float* dst, int64_t n);
 
 // bf16_bits on 8 lanes, for code compiled for AVX2 (target attribute: the
 // library is built for any x86-64 and picks AVX2 at run time).

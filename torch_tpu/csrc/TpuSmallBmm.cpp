@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace torch_tpu {
@@ -36,14 +35,6 @@ inline int64_t round_up(int64_t x, int64_t to) {
   return (x + to - 1) / to * to;
 }
 
-float round_scalar(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  bits = bf16_bits(bits);
-  std::memcpy(&v, &bits, sizeof bits);
-  return v;
-}
-
 // rows x cols of src (element strides s_row, s_col) into dst, row-major with
 // ld columns, the columns past cols zeroed; rounded to bf16 if asked.
 __attribute__((target("avx2,fma"))) void pack(const float* src, int64_t rows, int64_t cols, int64_t s_row,
@@ -59,7 +50,7 @@ __attribute__((target("avx2,fma"))) void pack(const float* src, int64_t rows, in
         _mm256_store_ps(lanes, round ? bf16_round8(v) : v);
         for (int64_t l = 0; l < kLanes; ++l) dst[(r + l) * ld + c] = lanes[l];
       }
-      for (; r < rows; ++r) dst[r * ld + c] = round ? round_scalar(in[r]) : in[r];
+      for (; r < rows; ++r) dst[r * ld + c] = round ? bf16_round(in[r]) : in[r];
     }
     for (int64_t r = 0; r < rows; ++r) std::fill(dst + r * ld + cols, dst + (r + 1) * ld, 0.0f);
     return;
@@ -67,14 +58,13 @@ __attribute__((target("avx2,fma"))) void pack(const float* src, int64_t rows, in
   for (int64_t r = 0; r < rows; ++r) {
     const float* in = src + r * s_row;
     float* out = dst + r * ld;
-    int64_t c = 0;
-    if (s_col == 1) {
-      for (; c + kLanes <= cols; c += kLanes) {
-        const __m256 v = _mm256_loadu_ps(in + c);
-        _mm256_storeu_ps(out + c, round ? bf16_round8(v) : v);
-      }
+    if (s_col == 1 && round) {
+      round_to_bf16(in, out, cols);
+    } else if (s_col == 1) {
+      std::copy(in, in + cols, out);
+    } else {
+      for (int64_t c = 0; c < cols; ++c) out[c] = round ? bf16_round(in[c * s_col]) : in[c * s_col];
     }
-    for (; c < cols; ++c) out[c] = round ? round_scalar(in[c * s_col]) : in[c * s_col];
     std::fill(out + cols, out + ld, 0.0f);
   }
 }
