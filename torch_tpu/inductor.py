@@ -166,19 +166,24 @@ def _output_devices(gm: torch.fx.GraphModule) -> list[bool]:
 
 
 class HostRunner:
-    """Runs a CPU-compiled graph on tpu tensors (see the module docstring)."""
+    """Runs a CPU-compiled graph on tpu tensors (see the module docstring).
+
+    A step's graphs are called every step with the same argument kinds, and an
+    optimizer's graph takes every parameter and state (a hundred tensors and
+    more), so the per-call work is two ops over lists and no per-argument
+    Python: which arguments are tensors and which outputs are tpu or cpu is
+    worked out at the first call and kept."""
 
     def __init__(self, compiled: Callable[..., Any], device: int, tpu_outputs: Sequence[bool]) -> None:
         self.compiled = compiled
         self.device = device
         self.tpu_outputs = list(tpu_outputs)
+        self._tpu_slots = [i for i, tpu in enumerate(self.tpu_outputs) if tpu]
+        self._other_slots = [i for i, tpu in enumerate(self.tpu_outputs) if not tpu]
+        self._tensor_args: list[int] | None = None  # positions of the tensor arguments
 
     def __call__(self, *args: Any) -> Any:
-        tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        views = torch.ops.torch_tpu._host_views([args[i] for i in tensors])
-        host_args = list(args)
-        for i, v in zip(tensors, views):
-            host_args[i] = v
+        host_args = self._host_args(args)
         previous = torch.ops.torch_tpu._redirect_host_allocations(self.device)
         try:
             outputs = self.compiled(*host_args)
@@ -186,17 +191,34 @@ class HostRunner:
             torch.ops.torch_tpu._redirect_host_allocations(previous)
         return self._adopt(outputs)
 
+    def _host_args(self, args: tuple) -> list:
+        if self._tensor_args is None:  # the first call: a graph's argument kinds never change
+            self._tensor_args = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        if len(self._tensor_args) == len(args):
+            return torch.ops.torch_tpu._host_views(args)
+        # Some arguments are not tensors (symbolic sizes, scalars): they keep their places.
+        views = torch.ops.torch_tpu._host_views([args[i] for i in self._tensor_args])
+        host_args = list(args)
+        for i, v in zip(self._tensor_args, views):
+            host_args[i] = v
+        return host_args
+
     def _adopt(self, outputs: Any) -> Any:
-        flat, spec = torch.utils._pytree.tree_flatten(outputs)
-        slots = [
-            i for i, (o, tpu) in enumerate(zip(flat, self.tpu_outputs)) if tpu and isinstance(o, torch.Tensor)
-        ]
+        flat_outputs = isinstance(outputs, (list, tuple)) and len(outputs) == len(self.tpu_outputs)
+        if flat_outputs:
+            flat, spec = list(outputs), None
+        else:
+            flat, spec = torch.utils._pytree.tree_flatten(outputs)
+        slots = [i for i in self._tpu_slots if isinstance(flat[i], torch.Tensor)]
         adopted = torch.ops.torch_tpu._adopt_host_results([flat[i] for i in slots], self.device)
         for i, t in zip(slots, adopted):
-            flat[i] = t  # tpu now: the loop below leaves it
-        for i, o in enumerate(flat):
+            flat[i] = t
+        for i in self._other_slots:
+            o = flat[i]
             if isinstance(o, torch.Tensor) and o.device.type == "cpu":
                 flat[i] = o.clone()  # a cpu output: out of the tpu memory it was allocated in
+        if spec is None:
+            return type(outputs)(flat) if isinstance(outputs, tuple) else flat
         return torch.utils._pytree.tree_unflatten(flat, spec)
 
 
