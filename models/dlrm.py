@@ -7,7 +7,7 @@ how a step runs. The sparse lookup is submitted to the SparseCore executor
 first and the dense arch runs on the TensorCore meanwhile; the pooled
 embeddings come back as one ``(B, F x D)`` block that is viewed as
 ``(B, F, D)`` without TorchRec's per-feature split and concatenation; the
-dot interaction takes its upper triangle with one flat index (DotInteraction).
+dot interaction on tpu is one fused op each way (DotInteraction).
 ``sparse_features`` may also be a ``sparsecore.PreprocessedBatch`` that a
 loader prepared ahead.
 """
@@ -19,6 +19,7 @@ from torchrec.models import dlrm as torchrec_dlrm
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from sparsecore import PreprocessedBatch, SparseCoreEmbeddingBagCollection
+from torch_tpu.interaction import dot_interaction
 
 
 def _check_engine(ebc) -> None:
@@ -60,10 +61,13 @@ class _Gram(torch.autograd.Function):
 
 
 class DotInteraction(torchrec_dlrm.InteractionArch):
-    """TorchRec's dot interaction, with the upper triangle taken by one flat
-    ``index_select`` (its backward one ``index_add``) instead of two-tensor
-    advanced indexing, whose backward is a slower accumulating index_put, and
-    the Gram matrix's backward in one batched matmul instead of two (_Gram)."""
+    """TorchRec's dot interaction. On tpu one fused op each way
+    (``torch_tpu.interaction.dot_interaction``: no concatenations, no full
+    Gram matrix in memory, no gather). Elsewhere the upper triangle is taken
+    by one flat ``index_select`` (its backward one ``index_add``) instead of
+    two-tensor advanced indexing, whose backward is a slower accumulating
+    index_put, and the Gram matrix's backward is one batched matmul instead of
+    two (_Gram)."""
 
     def __init__(self, num_sparse_features: int) -> None:
         super().__init__(num_sparse_features)
@@ -73,6 +77,12 @@ class DotInteraction(torchrec_dlrm.InteractionArch):
     def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
         if self.F <= 0:
             return dense_features
+        if dense_features.device.type == "tpu":
+            return dot_interaction(dense_features, sparse_features)
+        return self.unfused(dense_features, sparse_features)
+
+    def unfused(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
+        """The interaction off tpu (on tpu too, for comparison: benchmarks.interaction)."""
         combined = torch.cat((dense_features.unsqueeze(1), sparse_features), dim=1)
         interactions = _Gram.apply(combined).flatten(1)
         return torch.cat((dense_features, interactions.index_select(1, self.flat_triu)), dim=1)

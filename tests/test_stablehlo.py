@@ -85,6 +85,22 @@ def test_tpu_inputs_export_like_cpu_ones():
     assert on_tpu.argument_names == ("0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias", "[0]")
 
 
+def test_fused_dot_interaction_exports_as_its_unfused_form():
+    # DLRM's interaction on tpu is one torch_tpu op; it lowers to a Gram dot_general and slices.
+    from models.dlrm import DotInteraction
+
+    module = DotInteraction(5).to("tpu")
+    dense, sparse = torch.randn(4, 8), torch.randn(4, 5, 8)
+    with torch.tpu.precision("highest"):
+        program = export_program(module, (dense.to("tpu"), sparse.to("tpu")))
+        with torch.no_grad():
+            expected = module(dense.to("tpu"), sparse.to("tpu")).cpu()
+    parse(program.text)
+    assert "stablehlo.dot_general" in program.text and "custom_call" not in program.text
+    (actual,) = run_on_xla(program.text, program.arguments(dense, sparse))
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
 g = torch.Generator().manual_seed(0)
 
 

@@ -24,19 +24,17 @@ constexpr int64_t kMaxDepth = 512;
 // registers of AVX2.
 constexpr int64_t kRows = 4;
 constexpr int64_t kVectors = 3;
-constexpr int64_t kLanes = 8;
+using small_gemm::kLanes;
 
-bool cpu_has_avx2_fma() {
-  static const bool available = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return available;
+} // namespace
+
+namespace small_gemm {
+
+bool available() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
 }
 
-inline int64_t round_up(int64_t x, int64_t to) {
-  return (x + to - 1) / to * to;
-}
-
-// rows x cols of src (element strides s_row, s_col) into dst, row-major with
-// ld columns, the columns past cols zeroed; rounded to bf16 if asked.
 __attribute__((target("avx2,fma"))) void pack(const float* src, int64_t rows, int64_t cols, int64_t s_row,
                                                int64_t s_col, float* dst, int64_t ld, bool round) {
   if (s_row == 1 && s_col != 1) {
@@ -68,6 +66,10 @@ __attribute__((target("avx2,fma"))) void pack(const float* src, int64_t rows, in
     std::fill(out + cols, out + ld, 0.0f);
   }
 }
+
+} // namespace small_gemm
+
+namespace {
 
 // C[0:R, 0:8V] = A[0:R, :] @ B[:, 0:8V] over `depth`, as fused multiply-adds
 // in k order; only the first `cols` columns of C are stored.
@@ -118,8 +120,10 @@ constexpr BlockFn kBlocks[kRows][kVectors] = {
     {block<4, 1>, block<4, 2>, block<4, 3>},
 };
 
+} // namespace
+
 // One batch element: c (m x n, row-major) = a_packed (m x k) @ b_packed (k x ldb).
-void multiply(const float* a, const float* b, int64_t m, int64_t k, int64_t n, int64_t ldb, float* c) {
+void small_gemm::multiply(const float* a, const float* b, int64_t m, int64_t k, int64_t n, int64_t ldb, float* c) {
   for (int64_t j = 0; j < n; j += kVectors * kLanes) {
     const int64_t vectors = std::min(kVectors, (ldb - j) / kLanes);
     for (int64_t i = 0; i < m; i += kRows) {
@@ -129,10 +133,8 @@ void multiply(const float* a, const float* b, int64_t m, int64_t k, int64_t n, i
   }
 }
 
-} // namespace
-
 at::Tensor small_bmm(const at::Tensor& a, const at::Tensor& b, bool round_operands) {
-  if (!cpu_has_avx2_fma() || a.dim() != 3 || b.dim() != 3 || a.scalar_type() != at::kFloat ||
+  if (!small_gemm::available() || a.dim() != 3 || b.dim() != 3 || a.scalar_type() != at::kFloat ||
       b.scalar_type() != at::kFloat || !a.device().is_cpu() || !b.device().is_cpu()) {
     return {};
   }
@@ -146,15 +148,15 @@ at::Tensor small_bmm(const at::Tensor& a, const at::Tensor& b, bool round_operan
   const float* pa = a.const_data_ptr<float>();
   const float* pb = b.const_data_ptr<float>();
   float* pc = out.mutable_data_ptr<float>();
-  const int64_t ldb = round_up(n, kLanes);
+  const int64_t ldb = small_gemm::padded(n);
   // About 64k multiply-adds per task: small enough to share out a DLRM batch.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (m * n * k));
   at::parallel_for(0, batch, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> a_packed(m * k), b_packed(k * ldb);
     for (int64_t e = begin; e < end; ++e) {
-      pack(pa + e * a.stride(0), m, k, a.stride(1), a.stride(2), a_packed.data(), k, round_operands);
-      pack(pb + e * b.stride(0), k, n, b.stride(1), b.stride(2), b_packed.data(), ldb, round_operands);
-      multiply(a_packed.data(), b_packed.data(), m, k, n, ldb, pc + e * m * n);
+      small_gemm::pack(pa + e * a.stride(0), m, k, a.stride(1), a.stride(2), a_packed.data(), k, round_operands);
+      small_gemm::pack(pb + e * b.stride(0), k, n, b.stride(1), b.stride(2), b_packed.data(), ldb, round_operands);
+      small_gemm::multiply(a_packed.data(), b_packed.data(), m, k, n, ldb, pc + e * m * n);
     }
   });
   return out;

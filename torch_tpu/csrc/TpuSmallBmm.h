@@ -18,4 +18,27 @@ namespace torch_tpu {
 // the general path.
 at::Tensor small_bmm(const at::Tensor& a, const at::Tensor& b, bool round_operands);
 
+// The kernel's pieces, for other small-matrix kernels (TpuDotInteraction.cpp).
+namespace small_gemm {
+
+constexpr int64_t kLanes = 8;
+
+// Whether this CPU runs them (AVX2 and FMA); nothing below may be called otherwise.
+bool available();
+
+// rows x cols of src (element strides s_row, s_col) into dst, row-major with
+// ld >= cols columns, the columns past cols zeroed; rounded to bf16 if asked.
+void pack(const float* src, int64_t rows, int64_t cols, int64_t s_row, int64_t s_col, float* dst, int64_t ld,
+          bool round);
+
+// c (m x n, row-major, ld n) = a (m x k, row-major) @ b (k x n, row-major with
+// ld ldb, a multiple of kLanes, zero past n), fused multiply-adds in k order.
+void multiply(const float* a, const float* b, int64_t m, int64_t k, int64_t n, int64_t ldb, float* c);
+
+inline int64_t padded(int64_t n) {
+  return (n + kLanes - 1) / kLanes * kLanes;
+}
+
+} // namespace small_gemm
+
 } // namespace torch_tpu

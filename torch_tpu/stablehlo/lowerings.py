@@ -407,6 +407,23 @@ register_lowering(aten.mm.default)(lambda cx, x, y: dot_general(cx, x, y, 0, cx.
 register_lowering(aten.bmm.default)(lambda cx, x, y: dot_general(cx, x, y, 1, cx.out_type))
 
 
+@register_lowering("torch_tpu::dot_interaction")
+def _dot_interaction(cx: LoweringContext, dense: Value, sparse: Value) -> Value:
+    """torch_tpu's fused DLRM interaction (torch_tpu.interaction) as its unfused form: the
+    Gram matrix of [dense, sparse rows] by one batched dot_general, its strict upper triangle
+    by row slices, after the dense features."""
+    b, out = cx.builder, cx.out_type
+    batch, dim = dense.shape
+    n = sparse.shape[1] + 1
+    x = b.op("stablehlo.concatenate", [b.reshape(b.convert(dense, out.dtype), (batch, 1, dim)),
+                                       b.convert(sparse, out.dtype)],
+             TensorType((batch, n, dim), out.dtype), {"dimension": "1 : i64"})
+    gram = dot_general(cx, x, b.transpose(x, [0, 2, 1]), 1, TensorType((batch, n, n), out.dtype))
+    rows = [b.reshape(slice_dim(b, slice_dim(b, gram, 1, i, i + 1), 2, i + 1, n), (batch, n - 1 - i))
+            for i in range(n - 1)]
+    return b.op("stablehlo.concatenate", [b.convert(dense, out.dtype), *rows], out, {"dimension": "1 : i64"})
+
+
 @register_lowering(aten.addmm.default)
 def _addmm(cx: LoweringContext, bias: Value, x: Value, y: Value, *, beta=1, alpha=1) -> Value:
     b, out = cx.builder, cx.out_type

@@ -1,0 +1,288 @@
+// torch.ops.torch_tpu.dot_interaction: DLRM's dot interaction as one op.
+//
+// out = [dense, <x_i, x_j> for i < j] with x = [dense, sparse_0 .. sparse_F-1]
+// per sample: TorchRec's InteractionArch, which concatenates x, takes the
+// full Gram matrix x x^T by a batched matmul, gathers its upper triangle and
+// concatenates again - four passes over memory around matmuls of 27x64
+// matrices. Here each sample's x is packed once, in cache (bf16-rounded at
+// medium, as the MXU sees it), and only the pairs' dot products are computed,
+// straight into the output row: 3x4 blocks of pairs, each dot as 8-lane
+// partial sums over the dim added across lanes at the end. The backward
+// builds the symmetric gradient (g + g^T) in cache and multiplies it by the
+// packed x on the small-matrix kernel (TpuSmallBmm): the unfused form's
+// operands, kernel and summation order, so its bits too where that form runs
+// on the same kernel (medium or highest, no AVX512-BF16).
+//
+// The fused kernels take fp32 at medium and highest precision with up to
+// kMaxVectors vectors of up to kMaxDim; anything else (high precision's three
+// passes, other dtypes, a CPU without AVX2) runs the unfused form on mxu::bmm.
+
+#include "TpuHost.h"
+#include "TpuMxu.h"
+#include "TpuPrecision.h"
+#include "TpuSmallBmm.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/triu_indices.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+namespace torch_tpu {
+namespace {
+
+constexpr int64_t kMaxVectors = 64;
+constexpr int64_t kMaxDim = 512;
+
+int64_t pairs(int64_t vectors) {
+  return vectors * (vectors - 1) / 2;
+}
+
+void check_shapes(const char* op, const at::Tensor& dense, const at::Tensor& sparse) {
+  TORCH_CHECK(dense.dim() == 2 && sparse.dim() == 3, op, ": expected dense (B, D) and sparse (B, F, D), got ",
+              dense.sizes(), " and ", sparse.sizes());
+  TORCH_CHECK(sparse.size(0) == dense.size(0) && sparse.size(2) == dense.size(1), op,
+              ": dense ", dense.sizes(), " and sparse ", sparse.sizes(), " disagree on B or D");
+  TORCH_CHECK(dense.scalar_type() == sparse.scalar_type(), op, ": dense is ", dense.scalar_type(),
+              " but sparse is ", sparse.scalar_type());
+}
+
+bool fused_applies(const at::Tensor& dense, const at::Tensor& sparse) {
+  const Precision precision = effective_precision(dense, sparse);
+  return small_gemm::available() && dense.scalar_type() == at::kFloat && precision != Precision::kHigh &&
+         sparse.size(1) + 1 <= kMaxVectors && dense.size(1) <= kMaxDim && dense.size(1) > 0;
+}
+
+// Samples per task: about 64k multiply-adds, as small_bmm's.
+int64_t grain(int64_t vectors, int64_t dim) {
+  return std::max<int64_t>(1, (int64_t{1} << 16) / (vectors * vectors * dim));
+}
+
+// Sample e's x = [dense, sparse rows] packed row-major (ld columns), rounded if asked.
+void pack_x(const at::Tensor& dense, const at::Tensor& sparse, int64_t e, float* x, int64_t ld, bool round) {
+  const int64_t features = sparse.size(1), dim = dense.size(1);
+  small_gemm::pack(dense.const_data_ptr<float>() + e * dense.stride(0), 1, dim, dim, dense.stride(1), x, ld, round);
+  small_gemm::pack(sparse.const_data_ptr<float>() + e * sparse.stride(0), features, dim, sparse.stride(1),
+                   sparse.stride(2), x + ld, ld, round);
+}
+
+// Dot products of rows [i0, i0 + R) with rows [j0, j0 + C) of x (row-major,
+// ld a multiple of 8 and zero-padded; depth = ld) into dots (R x C): 8-lane
+// partial sums over k in registers, added across lanes at the end. R x C = 12
+// accumulators hide the fused multiply-add's latency; the x rows are read in
+// place, with no transposed copy.
+template <int R, int C>
+__attribute__((target("avx2,fma"))) void dot_block(const float* x, int64_t ld, int64_t i0, int64_t j0,
+                                                   float* dots) {
+  __m256 acc[R][C];
+#pragma GCC unroll 3
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < ld; k += small_gemm::kLanes) {
+    __m256 a[R];
+#pragma GCC unroll 3
+    for (int r = 0; r < R; ++r) a[r] = _mm256_loadu_ps(x + (i0 + r) * ld + k);
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const __m256 b = _mm256_loadu_ps(x + (j0 + c) * ld + k);
+#pragma GCC unroll 3
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(a[r], b, acc[r][c]);
+    }
+  }
+#pragma GCC unroll 3
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]), _mm256_extractf128_ps(acc[r][c], 1));
+      const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+      dots[r * C + c] = _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+    }
+  }
+}
+
+constexpr int kBlockRows = 3;
+constexpr int kBlockCols = 4;
+using DotBlockFn = void (*)(const float*, int64_t, int64_t, int64_t, float*);
+// kDotBlocks[R - 1][C - 1] = dot_block<R, C>: blocks at the triangle's edges are smaller.
+constexpr DotBlockFn kDotBlocks[kBlockRows][kBlockCols] = {
+    {dot_block<1, 1>, dot_block<1, 2>, dot_block<1, 3>, dot_block<1, 4>},
+    {dot_block<2, 1>, dot_block<2, 2>, dot_block<2, 3>, dot_block<2, 4>},
+    {dot_block<3, 1>, dot_block<3, 2>, dot_block<3, 3>, dot_block<3, 4>},
+};
+
+// The strict upper triangle of x x^T (n rows) into out, pairs row by row.
+void upper_dots(const float* x, int64_t n, int64_t ld, float* out) {
+  float dots[kBlockRows * kBlockCols];
+  for (int64_t i0 = 0; i0 + 1 < n; i0 += kBlockRows) {
+    const int64_t rows = std::min<int64_t>(kBlockRows, n - 1 - i0);
+    for (int64_t j0 = i0 + 1; j0 < n; j0 += kBlockCols) {
+      const int64_t cols = std::min<int64_t>(kBlockCols, n - j0);
+      kDotBlocks[rows - 1][cols - 1](x, ld, i0, j0, dots);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = i0 + r;
+        const int64_t row_start = i * (2 * n - i - 1) / 2 - i - 1;  // out index of pair (i, j) is row_start + j
+        for (int64_t c = 0; c < cols; ++c) {
+          if (j0 + c > i) out[row_start + j0 + c] = dots[r * cols + c];  // dot_block<R, C> wrote R x C
+        }
+      }
+    }
+  }
+}
+
+at::Tensor fused_forward(const at::Tensor& dense, const at::Tensor& sparse, bool round) {
+  const int64_t batch = dense.size(0), dim = dense.size(1), n = sparse.size(1) + 1;
+  const int64_t width = dim + pairs(n);
+  at::Tensor out = at::empty({batch, width}, dense.options());
+  float* po = out.mutable_data_ptr<float>();
+  const float* pd = dense.const_data_ptr<float>();
+  const int64_t ld = small_gemm::padded(dim);
+  at::parallel_for(0, batch, grain(n, dim), [&](int64_t begin, int64_t end) {
+    std::vector<float> x(n * ld);
+    for (int64_t e = begin; e < end; ++e) {
+      pack_x(dense, sparse, e, x.data(), ld, round);
+      float* row = po + e * width;
+      // The dense part as given: the MXU rounds operands, not the tensors passed through.
+      for (int64_t d = 0; d < dim; ++d) row[d] = pd[e * dense.stride(0) + d * dense.stride(1)];
+      upper_dots(x.data(), n, ld, row + dim);
+    }
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_backward(const at::Tensor& grad, const at::Tensor& dense,
+                                                  const at::Tensor& sparse, bool round) {
+  const int64_t batch = dense.size(0), dim = dense.size(1), features = sparse.size(1), n = features + 1;
+  at::Tensor d_dense = at::empty({batch, dim}, dense.options());
+  at::Tensor d_sparse = at::empty({batch, features, dim}, dense.options());
+  const float* pg = grad.const_data_ptr<float>();
+  float* pdd = d_dense.mutable_data_ptr<float>();
+  float* pds = d_sparse.mutable_data_ptr<float>();
+  const int64_t ldx = small_gemm::padded(dim);
+  const int64_t g0 = grad.stride(0), g1 = grad.stride(1);
+  at::parallel_for(0, batch, grain(n, dim), [&](int64_t begin, int64_t end) {
+    std::vector<float> s(n * n), x(n * ldx), dx(n * dim);
+    for (int64_t e = begin; e < end; ++e) {
+      // g + g^T of the Gram matrix's gradient: the pair's gradient on both sides, 0 on the diagonal.
+      const float* g = pg + e * g0 + dim * g1;
+      for (int64_t i = 0; i < n; ++i) {
+        s[i * n + i] = 0.0f;
+        for (int64_t j = i + 1; j < n; ++j, g += g1) {
+          const float v = round ? bf16_round(*g) : *g;
+          s[i * n + j] = v;
+          s[j * n + i] = v;
+        }
+      }
+      pack_x(dense, sparse, e, x.data(), ldx, round);
+      small_gemm::multiply(s.data(), x.data(), n, n, dim, ldx, dx.data());
+      for (int64_t d = 0; d < dim; ++d) pdd[e * dim + d] = pg[e * g0 + d * g1] + dx[d];
+      std::copy(dx.data() + dim, dx.data() + n * dim, pds + e * features * dim);
+    }
+  });
+  return {d_dense, d_sparse};
+}
+
+// Flat indices of the Gram matrix's strict upper triangle, row by row.
+at::Tensor upper_triangle(int64_t n, const at::TensorOptions& options) {
+  at::Tensor rc = at::triu_indices(n, n, 1, options.dtype(at::kLong));
+  return rc[0].mul(n).add_(rc[1]);
+}
+
+// The unfused form on mxu::bmm: any dtype and precision.
+at::Tensor unfused_forward(const at::Tensor& dense, const at::Tensor& sparse) {
+  const int64_t n = sparse.size(1) + 1;
+  at::Tensor x = at::cat({dense.unsqueeze(1), sparse}, 1);
+  at::Tensor gram = mxu::bmm(x, x.transpose(1, 2));
+  return at::cat({dense, gram.flatten(1).index_select(1, upper_triangle(n, dense.options()))}, 1);
+}
+
+std::tuple<at::Tensor, at::Tensor> unfused_backward(const at::Tensor& grad, const at::Tensor& dense,
+                                                    const at::Tensor& sparse) {
+  const int64_t batch = dense.size(0), dim = dense.size(1), n = sparse.size(1) + 1;
+  at::Tensor g = at::zeros({batch, n * n}, grad.options());
+  g.index_copy_(1, upper_triangle(n, grad.options()), grad.narrow(1, dim, pairs(n)));
+  g = g.view({batch, n, n});
+  at::Tensor dx = mxu::bmm(g.add(g.transpose(1, 2)), at::cat({dense.unsqueeze(1), sparse}, 1));
+  return {grad.narrow(1, 0, dim).add(dx.select(1, 0)), dx.narrow(1, 1, n - 1)};
+}
+
+// On CPU tensors (host views), at the current MXU precision.
+at::Tensor interaction(const at::Tensor& dense, const at::Tensor& sparse) {
+  check_shapes("dot_interaction", dense, sparse);
+  if (!fused_applies(dense, sparse)) {
+    return unfused_forward(dense, sparse);
+  }
+  return fused_forward(dense, sparse, effective_precision(dense, sparse) == Precision::kMedium);
+}
+
+std::tuple<at::Tensor, at::Tensor> interaction_backward(const at::Tensor& grad, const at::Tensor& dense,
+                                                        const at::Tensor& sparse) {
+  check_shapes("dot_interaction_backward", dense, sparse);
+  const int64_t n = sparse.size(1) + 1;
+  TORCH_CHECK(grad.dim() == 2 && grad.size(0) == dense.size(0) && grad.size(1) == dense.size(1) + pairs(n),
+              "dot_interaction_backward: grad ", grad.sizes(), " is not the output's shape (", dense.size(0), ", ",
+              dense.size(1) + pairs(n), ")");
+  if (!fused_applies(dense, sparse) || grad.scalar_type() != at::kFloat) {
+    return unfused_backward(grad, dense, sparse);
+  }
+  return fused_backward(grad, dense, sparse, effective_precision(dense, sparse) == Precision::kMedium);
+}
+
+at::Tensor tpu_interaction(const at::Tensor& dense, const at::Tensor& sparse) {
+  HostScope scope(common_device("dot_interaction", {dense, sparse}));
+  at::Tensor out = interaction(scope.view(dense), scope.view(sparse));
+  scope.write_back();
+  return scope.adopt(out);
+}
+
+std::tuple<at::Tensor, at::Tensor> tpu_interaction_backward(const at::Tensor& grad, const at::Tensor& dense,
+                                                            const at::Tensor& sparse) {
+  HostScope scope(common_device("dot_interaction_backward", {grad, dense, sparse}));
+  auto [d_dense, d_sparse] = interaction_backward(scope.view(grad), scope.view(dense), scope.view(sparse));
+  scope.write_back();
+  return {scope.adopt(d_dense), scope.adopt(d_sparse)};
+}
+
+at::Tensor meta_interaction(const at::Tensor& dense, const at::Tensor& sparse) {
+  check_shapes("dot_interaction", dense, sparse);
+  return at::empty({dense.size(0), dense.size(1) + pairs(sparse.size(1) + 1)}, dense.options());
+}
+
+std::tuple<at::Tensor, at::Tensor> meta_interaction_backward(const at::Tensor& grad, const at::Tensor& dense,
+                                                             const at::Tensor& sparse) {
+  check_shapes("dot_interaction_backward", dense, sparse);
+  return {at::empty(dense.sizes(), dense.options()), at::empty(sparse.sizes(), sparse.options())};
+}
+
+} // namespace
+
+TORCH_LIBRARY_FRAGMENT(torch_tpu, m) {
+  m.def("dot_interaction(Tensor dense, Tensor sparse) -> Tensor");
+  m.def("dot_interaction_backward(Tensor grad, Tensor dense, Tensor sparse) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(torch_tpu, PrivateUse1, m) {
+  m.impl("dot_interaction", tpu_interaction);
+  m.impl("dot_interaction_backward", tpu_interaction_backward);
+}
+
+TORCH_LIBRARY_IMPL(torch_tpu, CPU, m) {
+  m.impl("dot_interaction", interaction);
+  m.impl("dot_interaction_backward", interaction_backward);
+}
+
+TORCH_LIBRARY_IMPL(torch_tpu, Meta, m) {
+  m.impl("dot_interaction", meta_interaction);
+  m.impl("dot_interaction_backward", meta_interaction_backward);
+}
+
+} // namespace torch_tpu
