@@ -357,7 +357,10 @@ def measure(systems: dict[str, Callable[[], None]], max_rounds: int, budget_s: f
             unwarmed: frozenset[str] = frozenset()) -> tuple[dict[str, float], int]:
     """Min ms per system over interleaved rounds, after `warmup` untimed calls each.
 
-    Rounds: max_rounds, fewer (at least 1) when a round would not fit in budget_s.
+    Rounds: max_rounds, fewer (at least 1) when a round would not fit in budget_s. When the
+    warm-up says the budget binds, each system runs once more untimed and that call decides:
+    a first call can be several times slower than the next (memory this VM's host reclaimed
+    while it sat idle faults back in), and one cold estimate would leave a cell one round.
     unwarmed: systems whose warm-up another system's already covers.
     """
     gc.collect()
@@ -369,8 +372,15 @@ def measure(systems: dict[str, Callable[[], None]], max_rounds: int, budget_s: f
                 continue
             for _ in range(warmup):
                 last[name] = _ms(fn)
-        per_round = sum(last.values()) / 1e3 if last else 0.0
-        rounds = max_rounds if per_round * max_rounds <= budget_s else max(1, int(budget_s // max(per_round, 1e-9)))
+
+        def rounds_within_budget() -> int:
+            per_round = sum(last.values()) / 1e3 if last else 0.0
+            return max_rounds if per_round * max_rounds <= budget_s else max(1, int(budget_s // max(per_round, 1e-9)))
+
+        rounds = rounds_within_budget()
+        if rounds < max_rounds:
+            last = {name: _ms(systems[name]) for name in last}
+            rounds = rounds_within_budget()
         times: dict[str, list[float]] = {name: [] for name in systems}
         for _ in range(rounds):
             for name, fn in systems.items():
