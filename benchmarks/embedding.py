@@ -358,9 +358,10 @@ def measure(systems: dict[str, Callable[[], None]], max_rounds: int, budget_s: f
     """Min ms per system over interleaved rounds, after `warmup` untimed calls each.
 
     Rounds: max_rounds, fewer (at least 1) when a round would not fit in budget_s. When the
-    warm-up says the budget binds, each system runs once more untimed and that call decides:
-    a first call can be several times slower than the next (memory this VM's host reclaimed
-    while it sat idle faults back in), and one cold estimate would leave a cell one round.
+    warm-up says the budget binds but a round fits in it, each system runs once more untimed
+    and that call decides: on this machine a first call can be several times slower than the
+    next (a new batch of the Adam engine: 139 ms, then 29 and 26), and one cold estimate
+    would leave the cell a single round. Past the budget a cell gets one round regardless.
     unwarmed: systems whose warm-up another system's already covers.
     """
     gc.collect()
@@ -372,15 +373,10 @@ def measure(systems: dict[str, Callable[[], None]], max_rounds: int, budget_s: f
                 continue
             for _ in range(warmup):
                 last[name] = _ms(fn)
-
-        def rounds_within_budget() -> int:
-            per_round = sum(last.values()) / 1e3 if last else 0.0
-            return max_rounds if per_round * max_rounds <= budget_s else max(1, int(budget_s // max(per_round, 1e-9)))
-
-        rounds = rounds_within_budget()
-        if rounds < max_rounds:
-            last = {name: _ms(systems[name]) for name in last}
-            rounds = rounds_within_budget()
+        per_round = sum(last.values()) / 1e3
+        if per_round * max_rounds > budget_s and per_round <= budget_s:
+            per_round = sum(_ms(systems[name]) for name in last) / 1e3
+        rounds = max_rounds if per_round * max_rounds <= budget_s else max(1, int(budget_s // max(per_round, 1e-9)))
         times: dict[str, list[float]] = {name: [] for name in systems}
         for _ in range(rounds):
             for name, fn in systems.items():
