@@ -169,18 +169,20 @@ std::tuple<at::Tensor, at::Tensor> fused_backward(const at::Tensor& grad, const 
   float* pds = d_sparse.mutable_data_ptr<float>();
   const int64_t ldx = small_gemm::padded(dim);
   const int64_t g0 = grad.stride(0), g1 = grad.stride(1);
+  const int64_t p = pairs(n);
   at::parallel_for(0, batch, grain(n, dim), [&](int64_t begin, int64_t end) {
-    std::vector<float> s(n * n), x(n * ldx), dx(n * dim);
+    std::vector<float> s(n * n), g(p), x(n * ldx), dx(n * dim);
     for (int64_t e = begin; e < end; ++e) {
-      // g + g^T of the Gram matrix's gradient: the pair's gradient on both sides, 0 on the diagonal.
-      const float* g = pg + e * g0 + dim * g1;
+      // g + g^T of the Gram matrix's gradient: the pair's gradient on both sides, 0 on the
+      // diagonal. The pairs' gradients are rounded in one vector pass first.
+      small_gemm::pack(pg + e * g0 + dim * g1, 1, p, p * g1, g1, g.data(), p, round);
+      const float* v = g.data();
       for (int64_t i = 0; i < n; ++i) {
+        const int64_t later = n - 1 - i;  // pairs (i, j > i), next in the row
         s[i * n + i] = 0.0f;
-        for (int64_t j = i + 1; j < n; ++j, g += g1) {
-          const float v = round ? bf16_round(*g) : *g;
-          s[i * n + j] = v;
-          s[j * n + i] = v;
-        }
+        std::copy(v, v + later, s.data() + i * n + i + 1);
+        for (int64_t j = 0; j < later; ++j) s[(i + 1 + j) * n + i] = v[j];
+        v += later;
       }
       pack_x(dense, sparse, e, x.data(), ldx, round);
       small_gemm::multiply(s.data(), x.data(), n, n, dim, ldx, dx.data());
