@@ -177,9 +177,9 @@ class HostRunner:
     def __init__(self, compiled: Callable[..., Any], device: int, tpu_outputs: Sequence[bool]) -> None:
         self.compiled = compiled
         self.device = device
-        self.tpu_outputs = list(tpu_outputs)
-        self._tpu_slots = [i for i, tpu in enumerate(self.tpu_outputs) if tpu]
-        self._other_slots = [i for i, tpu in enumerate(self.tpu_outputs) if not tpu]
+        self._num_outputs = len(tpu_outputs)
+        self._tpu_slots = [i for i, tpu in enumerate(tpu_outputs) if tpu]
+        self._other_slots = [i for i, tpu in enumerate(tpu_outputs) if not tpu]
         self._tensor_args: list[int] | None = None  # positions of the tensor arguments
 
     def __call__(self, *args: Any) -> Any:
@@ -204,7 +204,7 @@ class HostRunner:
         return host_args
 
     def _adopt(self, outputs: Any) -> Any:
-        flat_outputs = isinstance(outputs, (list, tuple)) and len(outputs) == len(self.tpu_outputs)
+        flat_outputs = isinstance(outputs, (list, tuple)) and len(outputs) == self._num_outputs
         if flat_outputs:
             flat, spec = list(outputs), None
         else:

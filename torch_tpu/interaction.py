@@ -5,8 +5,9 @@
 row by row: what TorchRec's ``InteractionArch`` computes by a concatenation,
 a batched Gram matrix, an upper-triangle gather and another concatenation.
 Here the whole of it, forward and backward, is one kernel per direction
-(``csrc/TpuDotInteraction.cpp``) at the MXU precision, with the same numbers
-as that unfused form run on tpu.
+(``csrc/TpuDotInteraction.cpp``) at the MXU precision: the same operands as
+that unfused form run on tpu, each dot summed in 8-lane partial sums rather
+than in order (the backward in order, as the unfused form's batched matmul).
 """
 
 from __future__ import annotations

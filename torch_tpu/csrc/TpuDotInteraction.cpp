@@ -34,6 +34,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -56,15 +57,15 @@ void check_shapes(const char* op, const at::Tensor& dense, const at::Tensor& spa
               " but sparse is ", sparse.scalar_type());
 }
 
-bool fused_applies(const at::Tensor& dense, const at::Tensor& sparse) {
+// Whether the fused kernels take these operands and, if so, whether they round
+// them to bf16 (medium) or not (highest); nullopt: the unfused form runs.
+std::optional<bool> fused_rounding(const at::Tensor& dense, const at::Tensor& sparse) {
   const Precision precision = effective_precision(dense, sparse);
-  return small_gemm::available() && dense.scalar_type() == at::kFloat && precision != Precision::kHigh &&
-         sparse.size(1) + 1 <= kMaxVectors && dense.size(1) <= kMaxDim && dense.size(1) > 0;
-}
-
-// Samples per task: about 64k multiply-adds, as small_bmm's.
-int64_t grain(int64_t vectors, int64_t dim) {
-  return std::max<int64_t>(1, (int64_t{1} << 16) / (vectors * vectors * dim));
+  if (!small_gemm::available() || dense.scalar_type() != at::kFloat || precision == Precision::kHigh ||
+      sparse.size(1) + 1 > kMaxVectors || dense.size(1) > kMaxDim || dense.size(1) == 0) {
+    return std::nullopt;
+  }
+  return precision == Precision::kMedium;
 }
 
 // Sample e's x = [dense, sparse rows] packed row-major (ld columns), rounded if asked.
@@ -146,13 +147,13 @@ at::Tensor fused_forward(const at::Tensor& dense, const at::Tensor& sparse, bool
   float* po = out.mutable_data_ptr<float>();
   const float* pd = dense.const_data_ptr<float>();
   const int64_t ld = small_gemm::padded(dim);
-  at::parallel_for(0, batch, grain(n, dim), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, batch, small_gemm::grain(n * n * dim), [&](int64_t begin, int64_t end) {
     std::vector<float> x(n * ld);
     for (int64_t e = begin; e < end; ++e) {
       pack_x(dense, sparse, e, x.data(), ld, round);
       float* row = po + e * width;
       // The dense part as given: the MXU rounds operands, not the tensors passed through.
-      for (int64_t d = 0; d < dim; ++d) row[d] = pd[e * dense.stride(0) + d * dense.stride(1)];
+      small_gemm::pack(pd + e * dense.stride(0), 1, dim, dim, dense.stride(1), row, dim, false);
       upper_dots(x.data(), n, ld, row + dim);
     }
   });
@@ -170,7 +171,7 @@ std::tuple<at::Tensor, at::Tensor> fused_backward(const at::Tensor& grad, const 
   const int64_t ldx = small_gemm::padded(dim);
   const int64_t g0 = grad.stride(0), g1 = grad.stride(1);
   const int64_t p = pairs(n);
-  at::parallel_for(0, batch, grain(n, dim), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, batch, small_gemm::grain(n * n * dim), [&](int64_t begin, int64_t end) {
     std::vector<float> s(n * n), g(p), x(n * ldx), dx(n * dim);
     for (int64_t e = begin; e < end; ++e) {
       // g + g^T of the Gram matrix's gradient: the pair's gradient on both sides, 0 on the
@@ -220,10 +221,8 @@ std::tuple<at::Tensor, at::Tensor> unfused_backward(const at::Tensor& grad, cons
 // On CPU tensors (host views), at the current MXU precision.
 at::Tensor interaction(const at::Tensor& dense, const at::Tensor& sparse) {
   check_shapes("dot_interaction", dense, sparse);
-  if (!fused_applies(dense, sparse)) {
-    return unfused_forward(dense, sparse);
-  }
-  return fused_forward(dense, sparse, effective_precision(dense, sparse) == Precision::kMedium);
+  const std::optional<bool> round = fused_rounding(dense, sparse);
+  return round ? fused_forward(dense, sparse, *round) : unfused_forward(dense, sparse);
 }
 
 std::tuple<at::Tensor, at::Tensor> interaction_backward(const at::Tensor& grad, const at::Tensor& dense,
@@ -233,17 +232,16 @@ std::tuple<at::Tensor, at::Tensor> interaction_backward(const at::Tensor& grad, 
   TORCH_CHECK(grad.dim() == 2 && grad.size(0) == dense.size(0) && grad.size(1) == dense.size(1) + pairs(n),
               "dot_interaction_backward: grad ", grad.sizes(), " is not the output's shape (", dense.size(0), ", ",
               dense.size(1) + pairs(n), ")");
-  if (!fused_applies(dense, sparse) || grad.scalar_type() != at::kFloat) {
+  const std::optional<bool> round = fused_rounding(dense, sparse);
+  if (!round || grad.scalar_type() != at::kFloat) {
     return unfused_backward(grad, dense, sparse);
   }
-  return fused_backward(grad, dense, sparse, effective_precision(dense, sparse) == Precision::kMedium);
+  return fused_backward(grad, dense, sparse, *round);
 }
 
 at::Tensor tpu_interaction(const at::Tensor& dense, const at::Tensor& sparse) {
-  HostScope scope(common_device("dot_interaction", {dense, sparse}));
-  at::Tensor out = interaction(scope.view(dense), scope.view(sparse));
-  scope.write_back();
-  return scope.adopt(out);
+  return on_host("dot_interaction", {dense, sparse},
+                 [&](HostScope& s) { return interaction(s.view(dense), s.view(sparse)); });
 }
 
 std::tuple<at::Tensor, at::Tensor> tpu_interaction_backward(const at::Tensor& grad, const at::Tensor& dense,

@@ -14,6 +14,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/SmallVector.h>
 
+#include <initializer_list>
+
 namespace torch_tpu {
 
 inline bool is_tpu(const at::Tensor& t) {
@@ -62,6 +64,16 @@ class HostScope {
 // in (unless allow_cpu_tensors: indices of index/index_put may be on the CPU).
 c10::DeviceIndex common_device(const char* op, c10::ArrayRef<at::Tensor> tensors,
                                bool allow_cpu_tensors = false);
+
+// A tpu kernel's body: `compute(scope)` on views of the operands inside a
+// HostScope of their common device, its CPU result returned as a tpu tensor.
+template <class F>
+at::Tensor on_host(const char* op, std::initializer_list<at::Tensor> operands, F compute) {
+  HostScope scope(common_device(op, operands));
+  at::Tensor result = compute(scope);
+  scope.write_back();
+  return scope.adopt(result);
+}
 
 // Checks one operand against the device found so far (-1: none yet).
 void check_operand_device(const char* op, const at::Tensor& t, c10::DeviceIndex* device,

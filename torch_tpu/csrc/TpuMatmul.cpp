@@ -135,16 +135,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward(
 
 namespace {
 
-// Runs `compute` on views inside a HostScope and returns its result on tpu.
-template <class F>
-at::Tensor on_host(const char* op, std::initializer_list<at::Tensor> operands, F compute) {
-  const c10::DeviceIndex device = common_device(op, operands);
-  HostScope scope(device);
-  at::Tensor result = compute(scope);
-  scope.write_back();
-  return scope.adopt(result);
-}
-
 // out= variants: compute, then resize and fill `out` in place.
 at::Tensor& into(at::Tensor& out, const at::Tensor& result) {
   TORCH_CHECK(

@@ -149,9 +149,7 @@ at::Tensor small_bmm(const at::Tensor& a, const at::Tensor& b, bool round_operan
   const float* pb = b.const_data_ptr<float>();
   float* pc = out.mutable_data_ptr<float>();
   const int64_t ldb = small_gemm::padded(n);
-  // About 64k multiply-adds per task: small enough to share out a DLRM batch.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (m * n * k));
-  at::parallel_for(0, batch, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, batch, small_gemm::grain(m * n * k), [&](int64_t begin, int64_t end) {
     std::vector<float> a_packed(m * k), b_packed(k * ldb);
     for (int64_t e = begin; e < end; ++e) {
       small_gemm::pack(pa + e * a.stride(0), m, k, a.stride(1), a.stride(2), a_packed.data(), k, round_operands);

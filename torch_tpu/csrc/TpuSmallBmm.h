@@ -9,6 +9,9 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
+#include <cstdint>
+
 namespace torch_tpu {
 
 // a (B, m, k) @ b (B, k, n), fp32 CPU tensors of any strides, accumulated in
@@ -37,6 +40,12 @@ void multiply(const float* a, const float* b, int64_t m, int64_t k, int64_t n, i
 
 inline int64_t padded(int64_t n) {
   return (n + kLanes - 1) / kLanes * kLanes;
+}
+
+// Batch elements per parallel task for kernels of `multiply_adds` per element:
+// about 64k multiply-adds a task, small enough to share out a DLRM batch.
+inline int64_t grain(int64_t multiply_adds) {
+  return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(multiply_adds, 1));
 }
 
 } // namespace small_gemm

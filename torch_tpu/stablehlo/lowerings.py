@@ -415,13 +415,13 @@ def _dot_interaction(cx: LoweringContext, dense: Value, sparse: Value) -> Value:
     b, out = cx.builder, cx.out_type
     batch, dim = dense.shape
     n = sparse.shape[1] + 1
-    x = b.op("stablehlo.concatenate", [b.reshape(b.convert(dense, out.dtype), (batch, 1, dim)),
-                                       b.convert(sparse, out.dtype)],
+    dense = b.convert(dense, out.dtype)
+    x = b.op("stablehlo.concatenate", [b.reshape(dense, (batch, 1, dim)), b.convert(sparse, out.dtype)],
              TensorType((batch, n, dim), out.dtype), {"dimension": "1 : i64"})
     gram = dot_general(cx, x, b.transpose(x, [0, 2, 1]), 1, TensorType((batch, n, n), out.dtype))
     rows = [b.reshape(slice_dim(b, slice_dim(b, gram, 1, i, i + 1), 2, i + 1, n), (batch, n - 1 - i))
             for i in range(n - 1)]
-    return b.op("stablehlo.concatenate", [b.convert(dense, out.dtype), *rows], out, {"dimension": "1 : i64"})
+    return b.op("stablehlo.concatenate", [dense, *rows], out, {"dimension": "1 : i64"})
 
 
 @register_lowering(aten.addmm.default)
