@@ -247,7 +247,8 @@ def test_a_rank_failure_surfaces_as_an_error_not_a_hang():
     assert results[1].exitcode == 3
     assert results[0].ok, results[0].error
     seconds, message = results[0].value.split("s ", 1)
-    assert float(seconds) < 10 and ("closed" in message or "reset" in message), results[0].value
+    # gloo's words for a dead peer, or the shared-memory channel's (which checks the process).
+    assert float(seconds) < 10 and any(w in message for w in ("closed", "reset", "exited")), results[0].value
 
 
 def lr_after(step: int) -> float:

@@ -116,18 +116,23 @@ def gloo_alone_group() -> dist.ProcessGroup:
         del os.environ["TORCH_TPU_DIST_TRANSPORT"]
 
 
-def bits_of_a_step(rank: int, world: int, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
-    """What a DDP / FSDP2 / sharded-embedding step's collectives return, on this rank."""
+def bits_of_a_step(rank: int, world: int, group: dist.ProcessGroup | None, on=tpu) -> list[torch.Tensor]:
+    """What a DDP / FSDP2 / sharded-embedding step's collectives return, on this rank
+    (its tensors put on their device by ``on``)."""
     n = 3000
-    x = tpu(rank_input(rank, n, torch.float32) / 3)
+    x = on(rank_input(rank, n, torch.float32) / 3)
     dist.all_reduce(x, group=group)
-    gathered = tpu(torch.empty(world * n))
-    dist.all_gather_into_tensor(gathered, tpu(rank_input(rank, n, torch.float32)), group=group)
-    out = tpu(torch.empty(n))
-    dist.reduce_scatter_tensor(out, tpu(rank_input(rank, world * n, torch.float32) / 7), group=group)
-    moved = tpu(torch.empty(world * 50))
-    dist.all_to_all_single(moved, tpu(rank_input(rank, world * 50, torch.float32)), group=group)
-    return [t.cpu() for t in (x, gathered, out, moved)]
+    gathered = on(torch.empty(world * n))
+    dist.all_gather_into_tensor(gathered, on(rank_input(rank, n, torch.float32)), group=group)
+    out = on(torch.empty(n))
+    dist.reduce_scatter_tensor(out, on(rank_input(rank, world * n, torch.float32) / 7), group=group)
+    moved = on(torch.empty(world * 50))
+    dist.all_to_all_single(moved, on(rank_input(rank, world * 50, torch.float32)), group=group)
+    root = on(rank_input(rank, n, torch.float32))
+    dist.broadcast(root, src=1, group=group)
+    scaled = on(rank_input(rank, n, torch.float32))  # FSDP2's gradient divide factor
+    dist.all_reduce(scaled, op=dist._make_nccl_premul_sum(0.5), group=group)
+    return [t.cpu() for t in (x, gathered, out, moved, root, scaled)]
 
 
 def both_transports(rank: int, world: int) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
@@ -146,9 +151,33 @@ def test_shared_memory_and_gloo_agree():
     assert torch.equal(results[0][1][0], results[1][1][0])
 
 
+def cpu_on_rank_0(rank: int, world: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """The step's collectives with every tensor on tpu, then with rank 0's on cpu; and an
+    all_reduce on a plain gloo group of the same processes (its CPU kernel untouched)."""
+    on_tpu = bits_of_a_step(rank, world, None)
+    mixed = bits_of_a_step(rank, world, None, on=tpu if rank else (lambda t: t))
+    x = torch.full((3,), float(rank + 1))
+    dist.all_reduce(x, group=dist.new_group(backend="gloo"))
+    return on_tpu, mixed, x
+
+
+def test_a_rank_may_pass_cpu_tensors_where_another_passes_tpu_tensors():
+    # Gloo takes both devices, so this is a valid call; the ranks must pick one transport.
+    results = assert_all_ok(run_ranks(cpu_on_rank_0, 2, env=SMALL_SLOT, group_timeout_s=20, timeout_s=90))
+    half_sum = sum(rank_input(r, 3000, torch.float32) * 0.5 for r in range(2))
+    for on_tpu, mixed, gloo_sum in results:
+        for a, b in zip(on_tpu, mixed):
+            assert torch.equal(a, b)  # the same transport, the same order of sums: the same bits
+        assert_close(mixed[-1], half_sum, rtol=0, atol=0)  # PREMUL_SUM(0.5), lowered alike on both devices
+        assert_close(gloo_sum, torch.full((3,), 3.0), rtol=0, atol=0)
+
+
 def call_that_disagrees(rank: int, case: str, group: dist.ProcessGroup) -> None:
     if case == "collective":
         x = tpu(torch.ones(4))
+        dist.all_reduce(x, group=group) if rank == 0 else dist.broadcast(x, src=0, group=group)
+    elif case == "collective on cpu and tpu":  # rank 0's on cpu tensors: told at once too, not at a timeout
+        x = torch.ones(4) if rank == 0 else tpu(torch.ones(4))
         dist.all_reduce(x, group=group) if rank == 0 else dist.broadcast(x, src=0, group=group)
     elif case == "output":  # rank 1's output is too short: it raises, and so must rank 0 (no wait for a timeout)
         dist.all_gather_into_tensor(tpu(torch.empty(8 if rank == 0 else 7)), tpu(torch.ones(4)), group=group)
@@ -183,6 +212,7 @@ DISAGREEMENTS = {
     "output": ["a rank's arguments are wrong, so no rank can complete the collective (rank 1: tpu_dist "
                "all_gather_into_tensor: the output must hold world size (2) times the input's elements"],
     "collective": ["rank 0: all_reduce SUM of Float[4]", "rank 1: broadcast from rank 0 of Float[4]"],
+    "collective on cpu and tpu": ["rank 0: all_reduce SUM of Float[4]", "rank 1: broadcast from rank 0 of Float[4]"],
     "dtype": ["rank 0: all_reduce SUM of Float[4]", "rank 1: all_reduce SUM of Double[4]"],
     "splits": ["rank 0: all_to_all_single of Float[4] sending [8, 8] bytes, receiving [8, 12] bytes",
                "rank 1: all_to_all_single of Float[4] sending [8, 8] bytes, receiving [8, 8] bytes"],

@@ -19,6 +19,15 @@
 // it on the calling thread and return a completed work. Everything else, and
 // every group that spans hosts, goes to gloo.
 //
+// Which transport carries a collective must not depend on the device of the
+// caller's tensors: gloo takes cpu and tpu tensors alike, so a rank passing
+// cpu tensors while another passes tpu ones is a valid call, and it would
+// hang if one rank went to gloo and the other to the channel. So the carried
+// collectives on CPU tensors of a group with a channel go through it too,
+// from a kernel on AutogradCPU (the CPU kernels stay torch's, reached below
+// it). Inference-mode tensors skip autograd keys, and with them this kernel:
+// their CPU collectives keep to gloo.
+//
 // Registered on request (torch.ops.torch_tpu._register_collectives, when a
 // tpu_dist group is created), not at load: torch has PrivateUse1 kernels for
 // these ops, and replacing them warns, expectedly, so that warning is dropped.
@@ -27,6 +36,7 @@
 #include "TpuShmCollectives.h"
 #include "TpuStream.h"
 
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
@@ -182,16 +192,28 @@ class DoneWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
+// The collectives a group's shared-memory channel carries (when their arguments allow).
+bool is_carried(const std::string& op) {
+  return op == "c10d::allreduce_" || op == "c10d::broadcast_" || op == "c10d::_allgather_base_" ||
+      op == "c10d::_reduce_scatter_base_" || op == "c10d::alltoall_base_";
+}
+
+// The group's shared-memory channel, if it is a tpu_dist group (a custom
+// backend: torch reuses the names of destroyed groups, and a plain gloo group
+// may carry a destroyed tpu_dist group's name) that has one.
+std::shared_ptr<shm::Channel> channel_of(const c10d::ProcessGroup& group) {
+  if (group.getBackendType() != c10d::ProcessGroup::BackendType::CUSTOM) return nullptr;
+  return shm::find(group.getGroupName());
+}
+
 // Runs the collective on its group's shared-memory channel, if the group has
 // one and carries this op; returns the work, or null to leave it to gloo.
 // `args` hold host views (and PREMUL_SUM already lowered to SUM).
 c10::intrusive_ptr<c10d::Work> run_on_channel(const c10::FunctionSchema& schema, const torch::jit::Stack& args) {
   auto arg = [&](const char* name) -> const c10::IValue& { return args[*schema.argumentIndexWithName(name)]; };
   const std::string& op = schema.name();
-  const bool carried = op == "c10d::allreduce_" || op == "c10d::broadcast_" || op == "c10d::_allgather_base_" ||
-      op == "c10d::_reduce_scatter_base_" || op == "c10d::alltoall_base_";
-  if (!carried) return nullptr;
-  auto channel = shm::find(arg("process_group").toCustomClass<c10d::ProcessGroup>()->getGroupName());
+  if (!is_carried(op)) return nullptr;
+  auto channel = channel_of(*arg("process_group").toCustomClass<c10d::ProcessGroup>());
   if (!channel) return nullptr;
   auto reduce_op = [&] { return arg("reduce_op").toCustomClass<c10d::ReduceOp>()->op_; };
   const shm::Timeout timeout(arg("timeout").toInt());
@@ -226,6 +248,15 @@ c10::intrusive_ptr<c10d::Work> run_on_channel(const c10::FunctionSchema& schema,
   return c10::make_intrusive<DoneWork>(c10d::OpType::_REDUCE_SCATTER_BASE, std::vector<at::Tensor>{out});
 }
 
+// Replaces the op's arguments on the stack by its returns: the caller's
+// tensors (the first argument), if the op returns them, and the work.
+void push_channel_returns(const c10::FunctionSchema& schema, torch::jit::Stack* stack, c10::IValue tensors,
+                          c10::intrusive_ptr<c10d::Work> work) {
+  torch::jit::drop(*stack, schema.arguments().size());
+  if (schema.returns().size() == 2) stack->push_back(std::move(tensors));
+  stack->push_back(c10::IValue(std::move(work)));
+}
+
 void collective_on_host(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const size_t num_args = schema.arguments().size();
@@ -234,18 +265,46 @@ void collective_on_host(const c10::OperatorHandle& op, c10::DispatchKeySet, torc
   for (auto& v : args) v = views.to_host(v);
   lower_premul_sum(schema, args);
   if (auto work = run_on_channel(schema, args)) {
-    // The returns are the caller's tensors (the first argument) and the work.
-    const bool returns_tensors = schema.returns().size() == 2;
-    const c10::IValue tensors = views.to_tpu(args[0]);
-    torch::jit::drop(*stack, num_args);
-    if (returns_tensors) stack->push_back(tensors);
-    stack->push_back(c10::IValue(std::move(work)));
+    push_channel_returns(schema, stack, views.to_tpu(args[0]), std::move(work));
     return;
   }
   std::copy(args.begin(), args.end(), stack->end() - num_args);
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
   const size_t num_returns = schema.returns().size();
   for (auto it = stack->end() - num_returns; it != stack->end(); ++it) *it = views.to_tpu(*it);
+}
+
+bool all_dense_cpu(const torch::jit::Stack& args) {
+  bool dense = true;
+  for (const auto& v : args) {
+    map_tensors(v, [&dense](const at::Tensor& t) {
+      dense = dense && t.device().is_cpu() && t.layout() == c10::kStrided && t.is_contiguous();
+      return t;
+    });
+  }
+  return dense;
+}
+
+// A carried collective on CPU tensors (AutogradCPU): over the group's channel
+// if it has one, as the same call on tpu tensors would go; else on to torch's
+// CPU kernel (gloo), as before. Tensors the channel cannot take as they are
+// (strided views, sparse) go to gloo, which decides about them.
+void collective_on_cpu(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t num_args = schema.arguments().size();
+  const auto group = (*stack)[stack->size() - num_args + *schema.argumentIndexWithName("process_group")]
+                         .toCustomClass<c10d::ProcessGroup>();
+  torch::jit::Stack args(stack->end() - num_args, stack->end());
+  if (channel_of(*group) != nullptr && all_dense_cpu(args)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;  // PREMUL_SUM's scaling is not differentiated
+    lower_premul_sum(schema, args);
+    if (auto work = run_on_channel(schema, args)) {
+      push_channel_returns(schema, stack, args[0], std::move(work));
+      return;
+    }
+    std::copy(args.begin(), args.end(), stack->end() - num_args);
+  }
+  op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
 }
 
 bool takes_process_group(const c10::FunctionSchema& schema) {
@@ -268,11 +327,16 @@ void register_collectives() {
     c10::WarningUtils::WarningHandlerGuard guard(&drop);
     static auto* library =
         new torch::Library(torch::Library::IMPL, "c10d", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+    static auto* cpu_library =
+        new torch::Library(torch::Library::IMPL, "c10d", c10::DispatchKey::AutogradCPU, __FILE__, __LINE__);
     for (const c10::OperatorName& name : c10::Dispatcher::singleton().getAllOpNames()) {
       if (name.name.rfind("c10d::", 0) != 0 || !name.overload_name.empty()) continue;
       auto handle = c10::Dispatcher::singleton().findOp(name);
       if (!handle || !takes_process_group(handle->schema())) continue;
       library->impl(name.name.substr(6).c_str(), torch::CppFunction::makeFromBoxedFunction<&collective_on_host>());
+      if (is_carried(name.name)) {
+        cpu_library->impl(name.name.substr(6).c_str(), torch::CppFunction::makeFromBoxedFunction<&collective_on_cpu>());
+      }
     }
   });
 }

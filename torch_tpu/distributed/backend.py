@@ -9,7 +9,9 @@ exactly as a gloo group does (torchrun's rendezvous, any ``init_method``).
 When every rank of a group is on one host, the group also gets a
 shared-memory segment (``shared_memory``), and the collectives the training
 stack lives on — all_reduce, broadcast, all_gather_into_tensor,
-reduce_scatter_tensor, all_to_all_single — on tpu tensors go through it.
+reduce_scatter_tensor, all_to_all_single — go through it, on tpu tensors and
+on cpu ones alike (one rank may pass cpu tensors where another passes tpu
+ones, as gloo allows: both must take the same transport).
 """
 
 from __future__ import annotations

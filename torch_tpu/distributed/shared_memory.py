@@ -1,7 +1,8 @@
 """The same-host transport of ``tpu_dist``: a shared-memory segment per group.
 
-The ranks of a group that all run on one host exchange tpu tensors through a
-segment of shared memory that every one of them maps (the stand-in for the
+The ranks of a group that all run on one host exchange tensors (tpu ones, and
+cpu ones in the same collectives: a rank may pass either) through a segment of
+shared memory that every one of them maps (the stand-in for the
 ICI links between a host's TPU chips); ``torch_tpu/csrc/TpuShmChannel.h`` has
 its layout and protocol. This module sets the segment up when a group is
 made: rank 0 creates it under ``/dev/shm``, the others open it, and the group
@@ -95,7 +96,7 @@ def group_transport(group: dist.ProcessGroup | None = None) -> str:
 
     ``group``: the default group when None. ``"shared_memory"`` covers
     all_reduce, broadcast, all_gather_into_tensor, reduce_scatter_tensor and
-    all_to_all_single on tpu tensors; the rest always go through gloo.
+    all_to_all_single on tpu and cpu tensors; the rest always go through gloo.
     """
     name = (group if group is not None else dist.group.WORLD).group_name
     return "shared_memory" if torch.ops.torch_tpu._has_shared_memory(name) else "gloo"
