@@ -526,6 +526,39 @@ def test_a_dlrm_step_with_sparsecore_embeddings_equals_strict():
 
 
 @pytest.mark.parametrize("compile_mode", ["off", "sync"])
+def test_the_fused_dlrm_interaction_is_recorded_not_a_sync_point(compile_mode, monkeypatch):
+    """A graph op (torch_tpu.graph_ops) is recorded like an ATen op: a forward and
+    backward through DLRM's fused interaction is one graph."""
+    from models.dlrm import DotInteraction
+
+    monkeypatch.setenv(COMPILE, compile_mode)
+    torch.manual_seed(0)
+    bottom, interaction = nn.Linear(13, 16).to("tpu"), DotInteraction(4)
+    dense, sparse = torch.randn(8, 13, device="tpu"), torch.randn(8, 4, 16, device="tpu")
+
+    def step():
+        bottom.zero_grad(set_to_none=True)
+        s = sparse.clone().requires_grad_()
+        out = interaction(torch.relu(bottom(dense)), s)
+        out.square().sum().backward()
+        return out.detach(), s.grad, bottom.weight.grad
+
+    strict = tuple(t.cpu() for t in step())
+
+    def deferred():
+        results = step()
+        defer.materialize()
+        return tuple(t.cpu() for t in results)
+
+    runs = deferred_runs(deferred, compile_mode)
+    stats = defer.stats()
+    # One graph a run (the .cpu() copies after it are sync points on real memory).
+    assert stats.graphs == len(runs) and not stats.not_recorded, stats
+    assert not [op for op in stats.sync_points if "interaction" in op], stats
+    check_runs(runs, strict, compile_mode, 1e-5)
+
+
+@pytest.mark.parametrize("compile_mode", ["off", "sync"])
 def test_in_place_updates_of_real_tensors_take_no_second_copy(compile_mode, monkeypatch):
     """An optimizer-like update of a real tensor runs in place when its graph
     runs (op by op or compiled): no new value beside the old, no copy back."""

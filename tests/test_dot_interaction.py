@@ -4,11 +4,14 @@ on DLRM's shape, every edge of the kernel's 3x4 dot blocks, strided inputs and t
 past the fused kernel's limits (which take the unfused form); the fused path is the one a
 DotInteraction on tpu runs, and it traces under torch.compile."""
 
+import logging
+
 import pytest
 import torch
 
 from models.dlrm import DotInteraction
 from tests.test_small_bmm import mxu_operand
+from torch_tpu.graph_ops import register_graph_op
 from torch_tpu.interaction import dot_interaction
 
 
@@ -175,3 +178,31 @@ def test_compiled_matches_eager():
         results.append((out.detach().cpu(), d.grad.cpu(), s.grad.cpu()))
     for eager, traced in zip(*results):
         assert torch.equal(eager, traced)
+
+
+def test_compiled_graphs_hold_the_interaction(caplog):
+    # A graph op (torch_tpu.graph_ops): the compiled forward and backward are one graph
+    # each that calls the kernel, not compiled segments around it.
+    dense, sparse, grad = inputs(16, 26, 64, seed=6)
+    bottom = torch.nn.Linear(64, 64).to("tpu")
+
+    def f(d, s):
+        return torch.relu(dot_interaction(torch.relu(bottom(d)), s))
+
+    results = []
+    with caplog.at_level(logging.INFO, logger="torch_tpu.inductor"):
+        for fn in (f, torch.compile(f, backend="tpu", fullgraph=True)):
+            d, s = (t.to("tpu").requires_grad_() for t in (dense, sparse))
+            out = fn(d, s)
+            out.backward(grad.to("tpu"))
+            results.append((out.detach().cpu(), d.grad.cpu(), s.grad.cpu()))
+    assert not [r.message for r in caplog.records if "compiled around" in r.message]
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)  # Inductor's fused relu, linear
+
+
+def test_graph_ops_need_host_and_meta_kernels():
+    with pytest.raises(ValueError, match="needs a CPU kernel"):
+        register_graph_op(torch.ops.torch_tpu._deferred_empty.default)
+    with pytest.raises(TypeError, match="takes an op overload"):
+        register_graph_op(torch.ops.torch_tpu.dot_interaction)

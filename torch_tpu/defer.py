@@ -9,7 +9,8 @@ something needs real memory:
 * an op that cannot be recorded reads or writes a pending tensor: copies to
   cpu, ``.item()``, printing, data-dependent shapes (nonzero, masks), random
   ops (they draw from the tpu generator, as in Strict), in-place ops on views;
-* any op outside aten/prims (collectives, the SparseCore kernels), work
+* any op outside aten/prims but the graph ops (torch_tpu.graph_ops: the
+  fused DLRM interaction) - collectives, the SparseCore kernels -, work
   submitted to a tpu stream, ``torch.tpu.synchronize()``;
 * the materialization hooks (torch_tpu.materialization_hooks): ``torch.save``,
   ``Tensor.data_ptr``, ``Tensor.untyped_storage``, ``Tensor.numpy``, printing
@@ -49,6 +50,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_tpu import deferred_graph, materialization_hooks
+from torch_tpu.graph_ops import is_graph_op
 from torch_tpu.materialization_hooks import register_materialization_hook  # noqa: F401 - the public entry
 from torch_tpu.deferred_graph import Arg, map_arg
 
@@ -160,7 +162,7 @@ _op_infos: dict[Any, _OpInfo] = {}
 def _op_info(func) -> _OpInfo:
     info = _op_infos.get(func)
     if info is None:
-        recordable = (func not in NEVER_RECORDED and func.namespace in RECORDED_NAMESPACES
+        recordable = (func not in NEVER_RECORDED and (func.namespace in RECORDED_NAMESPACES or is_graph_op(func))
                       and torch.Tag.nondeterministic_seeded not in func.tags
                       and torch.Tag.dynamic_output_shape not in func.tags)
         mutated = _mutated_args(func)
@@ -262,7 +264,7 @@ class _Engine:
         return func(*args, **kwargs)
 
     def _must_materialize_for(self, func, flat) -> bool:
-        if func.namespace not in RECORDED_NAMESPACES:
+        if func.namespace not in RECORDED_NAMESPACES and not is_graph_op(func):
             return True  # collectives, SparseCore kernels: sync points
         g = self.graph
         if any(isinstance(a, torch.Tensor) and self.touches(a) for a in flat):

@@ -38,6 +38,7 @@ import torch
 import torch.fx
 
 from torch_tpu.compile_cache import compile_cache, graph_key
+from torch_tpu.graph_ops import is_graph_op
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +98,12 @@ def _check_compilable(target: Any) -> None:
     """Custom ops (the SparseCore kernels, collectives) and higher-order ops
     (their functionalized forms) keep their own tpu semantics - executors,
     streams, in-place state - which a CPU compile of the graph does not:
-    graphs holding them run op by op."""
+    graphs holding them run op by op. Graph ops (torch_tpu.graph_ops) are
+    compiled as extern calls of their CPU kernels."""
     if isinstance(target, torch._ops.HigherOrderOperator):
         raise NotCompilable(f"{target.name()}: a higher-order op")
-    if isinstance(target, torch._ops.OpOverload) and target.namespace not in COMPILED_NAMESPACES:
+    if (isinstance(target, torch._ops.OpOverload) and target.namespace not in COMPILED_NAMESPACES
+            and not is_graph_op(target)):
         raise NotCompilable(f"{target}: a custom op")
 
 

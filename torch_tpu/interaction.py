@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from torch_tpu.graph_ops import register_graph_op
+
 _ops = torch.ops.torch_tpu
 
 
@@ -36,3 +38,7 @@ def _backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 torch.library.register_autograd("torch_tpu::dot_interaction", _backward, setup_context=_setup_context)
+# Pure functions of their tensors with CPU kernels at the MXU precision: DeferAndFuse
+# records them, compiled graphs call them inside (no split around the interaction).
+register_graph_op(_ops.dot_interaction.default)
+register_graph_op(_ops.dot_interaction_backward.default)
