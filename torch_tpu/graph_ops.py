@@ -8,8 +8,8 @@ a compiled graph (``torch_tpu.inductor``) runs its CPU kernel as an extern
 call inside the graph instead of being split around it.
 
 Kernels with effects of their own - the SparseCore engine's (its executor, its
-tables updated in place), collectives - are not registered: for DeferAndFuse
-they stay sync points, for compiled graphs ops they are compiled around.
+tables updated in place), collectives - are not registered: DeferAndFuse
+materializes at them, and compiled graphs are compiled around them.
 """
 
 from __future__ import annotations
