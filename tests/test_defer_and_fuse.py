@@ -526,6 +526,30 @@ def test_a_dlrm_step_with_sparsecore_embeddings_equals_strict():
 
 
 @pytest.mark.parametrize("compile_mode", ["off", "sync"])
+def test_a_view_saved_before_its_tensors_update_runs_keeps_its_version(compile_mode, monkeypatch):
+    """An optimizer's update is recorded (the version bumped once, as in Strict), then a
+    layer's forward saves weight.t() for backward, then the graph runs the update: that
+    run must not bump the version again, or the backward refuses the saved view. (A
+    pipeline's forward runs so: its lookups were prefetched, nothing materializes first.)"""
+    monkeypatch.setenv(COMPILE, compile_mode)
+    torch.manual_seed(0)
+    w0, x0 = torch.randn(16, 64), torch.randn(8, 64)
+
+    def step():
+        w, x = w0.to("tpu").requires_grad_(), x0.to("tpu").requires_grad_()
+        with torch.no_grad():
+            w.mul_(0.5)
+        z = nn.functional.linear(x, w).relu().sum()
+        torch.tpu.synchronize()  # runs the update, after the view was saved
+        z.backward()
+        return w.grad.cpu(), x.grad.cpu(), torch.tensor(float(w._version))
+
+    strict = step()
+    runs = deferred_runs(step, compile_mode)
+    check_runs(runs, strict, compile_mode, 1e-5)
+
+
+@pytest.mark.parametrize("compile_mode", ["off", "sync"])
 def test_the_fused_dlrm_interaction_is_recorded_not_a_sync_point(compile_mode, monkeypatch):
     """A graph op (torch_tpu.graph_ops) is recorded like an ATen op: a forward and
     backward through DLRM's fused interaction is one graph."""

@@ -20,11 +20,13 @@ as on XLA.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import operator
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,12 +174,39 @@ def to_fx(graph: Any, outputs: list[tuple]) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(torch.nn.Module(), fx)
 
 
+def written_inputs(graph: Any) -> list[int]:
+    """The inputs the graph's in-place nodes write (graph.in_place: real tensors updated in place)."""
+    written: dict[int, None] = {}
+    for n in sorted(graph.in_place):
+        first = graph.nodes[n][1][0]
+        for a in first if isinstance(first, (list, tuple)) else (first,):
+            if type(a) is Arg and a.ref[0] == "i":
+                written[a.ref[1]] = None
+    return list(written)
+
+
+@contextlib.contextmanager
+def versions_kept(tensors: list[torch.Tensor]) -> Iterator[None]:
+    """Running a graph leaves the version counters of the real tensors it updates in place
+    as they are: recording each update bumped them once already, as Strict's update does,
+    and a second bump would fail autograd's check of a view saved in between (a layer's
+    weight.t(), saved before its graph ran the optimizer's update)."""
+    tensors = [t for t in tensors if not t.is_inference()]  # those keep no version
+    versions = [t._version for t in tensors]
+    try:
+        yield
+    finally:
+        if tensors:
+            torch._C._autograd._unsafe_set_version_counter(tensors, versions)
+
+
 @dataclass
 class _Entry:
     runs: int = 0
     runner: Any = None  # the ChoosingRunner once compiled
     liveness: Liveness | None = None  # for op by op runs, worked out at the first
     future: concurrent.futures.Future | None = None
+    written: list[int] | None = None  # written_inputs, worked out at the first run
 
 
 class GraphCache:
@@ -205,6 +234,12 @@ class GraphCache:
                 self._forget_one_offs()
             entry = self.entries[key] = _Entry()
         entry.runs += 1
+        if entry.written is None:
+            entry.written = written_inputs(graph)
+        with versions_kept([graph.inputs[k] for k in entry.written]):
+            return self._run(entry, graph, outputs)
+
+    def _run(self, entry: _Entry, graph: Any, outputs: list[tuple]) -> tuple[list[torch.Tensor], bool]:
         if entry.runs == COMPILE_AT_RUN:
             mode = self.compile_mode()
             if mode != "off" and len(graph.nodes) >= MIN_COMPILED_OPS:
