@@ -60,7 +60,6 @@ aten = torch.ops.aten
 _ops = torch.ops.torch_tpu
 MAX_OPS = 4096
 MAX_META_CACHE = 100_000
-RECORDED_NAMESPACES = frozenset(["aten", "prims"])
 # Allocation only: run at once (nothing to fuse), like views of real memory.
 ALLOCATIONS = frozenset([aten.empty.memory_format, aten.empty_strided.default])
 # And ops that look functional but must see real memory, or whose result
@@ -162,7 +161,7 @@ _op_infos: dict[Any, _OpInfo] = {}
 def _op_info(func) -> _OpInfo:
     info = _op_infos.get(func)
     if info is None:
-        recordable = (func not in NEVER_RECORDED and (func.namespace in RECORDED_NAMESPACES or is_graph_op(func))
+        recordable = (func not in NEVER_RECORDED and is_graph_op(func)
                       and torch.Tag.nondeterministic_seeded not in func.tags
                       and torch.Tag.dynamic_output_shape not in func.tags)
         mutated = _mutated_args(func)
@@ -264,7 +263,7 @@ class _Engine:
         return func(*args, **kwargs)
 
     def _must_materialize_for(self, func, flat) -> bool:
-        if func.namespace not in RECORDED_NAMESPACES and not is_graph_op(func):
+        if not is_graph_op(func):
             return True  # collectives, SparseCore kernels: sync points
         g = self.graph
         if any(isinstance(a, torch.Tensor) and self.touches(a) for a in flat):

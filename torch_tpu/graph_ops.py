@@ -1,4 +1,4 @@
-"""Custom tpu ops that graphs hold as they hold ATen ops.
+"""The ops graphs hold: ATen's and prims', and custom tpu ops registered here.
 
 A registered op is a pure function of its arguments - fresh outputs, no state,
 no stream of its own - with a Meta kernel, and a CPU kernel that computes its
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+ATEN_NAMESPACES = frozenset(["aten", "prims"])
 _registered: set[torch._ops.OpOverload] = set()
 
 
@@ -30,4 +31,6 @@ def register_graph_op(op: torch._ops.OpOverload) -> None:
 
 
 def is_graph_op(op: object) -> bool:
-    return op in _registered
+    """Whether DeferAndFuse records ``op`` and compiled graphs run it: an ATen or prims op, or a
+    registered one. (Other checks still apply: random ops, data-dependent shapes, ...)"""
+    return getattr(op, "namespace", None) in ATEN_NAMESPACES or op in _registered

@@ -91,9 +91,6 @@ def _is_fp32_mxu(node: torch.fx.Node) -> bool:
     return any(isinstance(v, torch.Tensor) and v.dtype == torch.float32 for v in values)
 
 
-COMPILED_NAMESPACES = frozenset(["aten", "prims"])
-
-
 def _check_compilable(target: Any) -> None:
     """Custom ops (the SparseCore kernels, collectives) and higher-order ops
     (their functionalized forms) keep their own tpu semantics - executors,
@@ -102,8 +99,7 @@ def _check_compilable(target: Any) -> None:
     compiled as extern calls of their CPU kernels."""
     if isinstance(target, torch._ops.HigherOrderOperator):
         raise NotCompilable(f"{target.name()}: a higher-order op")
-    if (isinstance(target, torch._ops.OpOverload) and target.namespace not in COMPILED_NAMESPACES
-            and not is_graph_op(target)):
+    if isinstance(target, torch._ops.OpOverload) and not is_graph_op(target):
         raise NotCompilable(f"{target}: a custom op")
 
 

@@ -198,53 +198,54 @@ bool is_carried(const std::string& op) {
       op == "c10d::_reduce_scatter_base_" || op == "c10d::alltoall_base_";
 }
 
-// The group's shared-memory channel, if it is a tpu_dist group (a custom
-// backend: torch reuses the names of destroyed groups, and a plain gloo group
-// may carry a destroyed tpu_dist group's name) that has one.
-std::shared_ptr<shm::Channel> channel_of(const c10d::ProcessGroup& group) {
-  if (group.getBackendType() != c10d::ProcessGroup::BackendType::CUSTOM) return nullptr;
-  return shm::find(group.getGroupName());
+// The shared-memory channel that would carry this call: its op is carried and
+// its group is a tpu_dist group (a custom backend: torch reuses the names of
+// destroyed groups, and a plain gloo group may carry a destroyed tpu_dist
+// group's name) that has a channel. Null otherwise.
+std::shared_ptr<shm::Channel> carrying_channel(const c10::FunctionSchema& schema, const torch::jit::Stack& args) {
+  if (!is_carried(schema.name())) return nullptr;
+  const auto group = args[*schema.argumentIndexWithName("process_group")].toCustomClass<c10d::ProcessGroup>();
+  if (group->getBackendType() != c10d::ProcessGroup::BackendType::CUSTOM) return nullptr;
+  return shm::find(group->getGroupName());
 }
 
-// Runs the collective on its group's shared-memory channel, if the group has
-// one and carries this op; returns the work, or null to leave it to gloo.
+// Runs a carried collective on `channel` (carrying_channel's); returns the
+// work, or null to leave it to gloo (arguments the channel does not take).
 // `args` hold host views (and PREMUL_SUM already lowered to SUM).
-c10::intrusive_ptr<c10d::Work> run_on_channel(const c10::FunctionSchema& schema, const torch::jit::Stack& args) {
+c10::intrusive_ptr<c10d::Work> run_on_channel(const c10::FunctionSchema& schema, const torch::jit::Stack& args,
+                                              shm::Channel& channel) {
   auto arg = [&](const char* name) -> const c10::IValue& { return args[*schema.argumentIndexWithName(name)]; };
   const std::string& op = schema.name();
-  if (!is_carried(op)) return nullptr;
-  auto channel = channel_of(*arg("process_group").toCustomClass<c10d::ProcessGroup>());
-  if (!channel) return nullptr;
   auto reduce_op = [&] { return arg("reduce_op").toCustomClass<c10d::ReduceOp>()->op_; };
   const shm::Timeout timeout(arg("timeout").toInt());
 
-  std::lock_guard<std::mutex> lock(channel->mutex());
+  std::lock_guard<std::mutex> lock(channel.mutex());
   if (op == "c10d::allreduce_") {
     const auto tensors = arg("tensors").toTensorVector();
     if (tensors.size() != 1 || !arg("sparse_indices").isNone() || !shm::supports(reduce_op())) return nullptr;
-    shm::all_reduce(*channel, tensors[0], reduce_op(), timeout);
+    shm::all_reduce(channel, tensors[0], reduce_op(), timeout);
     return c10::make_intrusive<DoneWork>(c10d::OpType::ALLREDUCE, tensors);
   }
   if (op == "c10d::broadcast_") {
     const auto tensors = arg("tensors").toTensorVector();
     if (tensors.size() != 1) return nullptr;
-    shm::broadcast(*channel, tensors[0], arg("root_rank").toInt(), timeout);
+    shm::broadcast(channel, tensors[0], arg("root_rank").toInt(), timeout);
     return c10::make_intrusive<DoneWork>(c10d::OpType::BROADCAST, tensors);
   }
   if (op == "c10d::alltoall_base_") {
     const at::Tensor& out = arg("output").toTensor();
-    shm::all_to_all(*channel, out, arg("input").toTensor(), arg("output_split_sizes").toIntVector(),
+    shm::all_to_all(channel, out, arg("input").toTensor(), arg("output_split_sizes").toIntVector(),
                     arg("input_split_sizes").toIntVector(), timeout);
     return c10::make_intrusive<DoneWork>(c10d::OpType::ALLTOALL_BASE, std::vector<at::Tensor>{out});
   }
   const at::Tensor& out = arg("output_tensor").toTensor();
   const at::Tensor& in = arg("input_tensor").toTensor();
   if (op == "c10d::_allgather_base_") {
-    shm::all_gather_into(*channel, out, in, timeout);
+    shm::all_gather_into(channel, out, in, timeout);
     return c10::make_intrusive<DoneWork>(c10d::OpType::_ALLGATHER_BASE, std::vector<at::Tensor>{out});
   }
   if (!shm::supports(reduce_op())) return nullptr;
-  shm::reduce_scatter_into(*channel, out, in, reduce_op(), timeout);
+  shm::reduce_scatter_into(channel, out, in, reduce_op(), timeout);
   return c10::make_intrusive<DoneWork>(c10d::OpType::_REDUCE_SCATTER_BASE, std::vector<at::Tensor>{out});
 }
 
@@ -264,9 +265,11 @@ void collective_on_host(const c10::OperatorHandle& op, c10::DispatchKeySet, torc
   torch::jit::Stack args(stack->end() - num_args, stack->end());
   for (auto& v : args) v = views.to_host(v);
   lower_premul_sum(schema, args);
-  if (auto work = run_on_channel(schema, args)) {
-    push_channel_returns(schema, stack, views.to_tpu(args[0]), std::move(work));
-    return;
+  if (auto channel = carrying_channel(schema, args)) {
+    if (auto work = run_on_channel(schema, args, *channel)) {
+      push_channel_returns(schema, stack, views.to_tpu(args[0]), std::move(work));
+      return;
+    }
   }
   std::copy(args.begin(), args.end(), stack->end() - num_args);
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
@@ -292,13 +295,12 @@ bool all_dense_cpu(const torch::jit::Stack& args) {
 void collective_on_cpu(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const size_t num_args = schema.arguments().size();
-  const auto group = (*stack)[stack->size() - num_args + *schema.argumentIndexWithName("process_group")]
-                         .toCustomClass<c10d::ProcessGroup>();
   torch::jit::Stack args(stack->end() - num_args, stack->end());
-  if (channel_of(*group) != nullptr && all_dense_cpu(args)) {
+  const auto channel = carrying_channel(schema, args);
+  if (channel && all_dense_cpu(args)) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // PREMUL_SUM's scaling is not differentiated
     lower_premul_sum(schema, args);
-    if (auto work = run_on_channel(schema, args)) {
+    if (auto work = run_on_channel(schema, args, *channel)) {
       push_channel_returns(schema, stack, args[0], std::move(work));
       return;
     }
