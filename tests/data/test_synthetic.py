@@ -63,6 +63,22 @@ def test_rows_deterministic_and_range_independent(kw):
     _assert_samples_equal(early, whole.slice(100, 200))
 
 
+def test_cached_teacher_tables_change_no_value(monkeypatch):
+    """At full Criteo-Kaggle size the small tables' teacher rows are cached, the large ones hashed
+    per id: rows, logits and labels are those of an instance hashing every table."""
+    from data import synthetic
+
+    config = SyntheticConfig(num_samples=2 * BLOCK_ROWS)
+    cached = SyntheticCriteo(config)
+    monkeypatch.setattr(synthetic, "CACHED_TEACHER_BYTES", 0)
+    hashed = SyntheticCriteo(config)
+    kept = [t for t, rows in enumerate(cached._tables) if rows is not None]
+    assert 0 < len(kept) < schema.NUM_SPARSE and all(rows is None for rows in hashed._tables)
+    _assert_samples_equal(cached.rows(0, 2 * BLOCK_ROWS), hashed.rows(0, 2 * BLOCK_ROWS))
+    counts, ids, _ = cached.raw_rows(BLOCK_ROWS - 100, BLOCK_ROWS + 100)
+    np.testing.assert_array_equal(cached.logits(counts, ids), hashed.logits(counts, ids))
+
+
 def test_rows_shapes_and_dense_transform():
     s = SyntheticCriteo(SyntheticConfig(**SMALL))
     counts, ids, labels = s.raw_rows(300, 500)
