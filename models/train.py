@@ -557,6 +557,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
 def main(argv: list[str] | None = None) -> int:
     # force: importing torchrec (fbgemm_gpu) already configured the root logger at WARNING.
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
+    # torch.fx's one-time notice about is_fx_tracing, which TorchRec's KJT code triggers once in
+    # this process and once in each loader worker (they inherit this level): it is addressed to
+    # TorchRec's authors, not to whoever runs the training.
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     cfg = parse_args(argv)
     try:
         summary = train(cfg)
