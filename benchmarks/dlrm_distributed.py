@@ -46,6 +46,13 @@ before each round; a round's time is the max over ranks (all_reduce MAX); the
 best round is reported as samples/s of the global batch. Intra-op threads per
 rank: cores // N (``--threads``), the same for both sides.
 
+Then a paired comparison: our best side and TorchRec's best are built again,
+side by side in the same processes, and timed in interleaved rounds (ABBA
+order, 2 x ``--rounds`` each). Sides timed one after another meet whatever
+speed this machine drifts to meanwhile (the same side's rounds have differed
+by 1.5x within minutes); interleaved rounds meet it alike. Printed: best round
+against best round, and the range and median of the round-by-round ratios.
+
 Reported per (world, side): samples/s, all-to-all bytes per step per rank
 (mean over ranks: ours from ShardedSparseCoreEmbeddingBagCollection.bytes_sent()
 deltas over the timed steps; TorchRec's from counting what its
@@ -54,8 +61,12 @@ done for ours as a cross-check; data_parallel's replica row-gradient exchange is
 an all_gather and is not counted), the ratio to the best TorchRec side of that
 world, and the scaling N-process / 1-process samples/s per side.
 
-Target: at 2 processes, our best sharding >= 1.5x TorchRec DMP's best (printed
-as met yes/NO). This development machine has 2 cores, so 2 processes share
+Target: at 2 processes, our best side >= 1.5x TorchRec DMP's best (printed
+as met yes/NO), judged on the paired comparison (on the sides measured one
+after another when TorchRec or our sides were not run). Our best side is the
+fastest of any plan, loop and precision: TorchRec runs at fp32, which our
+"highest" is too, while "medium" is the TPU's default and costs extra here
+(its bf16 rounding is a pass of its own on a CPU). This development machine has 2 cores, so 2 processes share
 them: scaling above 1 is not expected (the per-process work halves, but so do
 the cores, and the exchanges are added).
 
@@ -77,6 +88,7 @@ import json
 import logging
 import os
 import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -119,6 +131,8 @@ TARGET = 1.5
 TARGET_WORLD = 2
 PIPELINE_TARGET = 1.15
 """sparsecore.TrainPipeline / the plain loop, same plan and world."""
+PAIRED_ROUNDS_PER_ROUND = 2
+"""The paired comparison's rounds per side, as a multiple of ``--rounds``."""
 DATA_SEED = 1  # benchmarks.dlrm.batches' seed: the same synthetic batches
 
 Batch = tuple[torch.Tensor, Any, torch.Tensor]  # (dense, KJT, labels) of one rank's slice
@@ -416,6 +430,25 @@ def measure_side(framework: str, kind: str, precision: str, build: Callable[[], 
     return row
 
 
+def measure_pair(builds: dict[str, Callable[[], Any]], data: list[Batch], settings: Settings,
+                 anchor: dist.ProcessGroup) -> dict[str, list[float]]:
+    """Round times (max over ranks) of sides built side by side, their rounds interleaved in
+    ABBA order: a paired comparison, which the machine's drifting speed moves alike."""
+    sides = {name: build() for name, build in builds.items()}
+    for side in sides.values():
+        for i in range(settings.warmup):
+            side.step(*data[i % len(data)])
+    one_round = dataclasses.replace(settings, rounds=1)
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for r in range(PAIRED_ROUNDS_PER_ROUND * settings.rounds):
+        for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+            times[name] += timed_rounds(sides[name].step, data, one_round, anchor)
+    del sides
+    free_side()
+    dist.barrier(group=anchor)
+    return times
+
+
 def run_rank(rank: int, world: int, port: int, settings: Settings) -> None:
     """A spawned rank: joins the groups, measures every side of this world; rank 0 writes the rows."""
     # Quiet: TorchRec's planner logs, and torch.fx's one-time is_fx_tracing notice (TorchRec calls it).
@@ -456,10 +489,29 @@ def run_rank(rank: int, world: int, port: int, settings: Settings) -> None:
         record(measure_side("ours", best, "highest",
                             lambda: OurSide(sizes, settings.batch, best, device, world, "highest"),
                             data, settings, anchor, None, rank, world))
+    paired = None
+    if settings.ours and settings.torchrec:
+        # Our best side (plan, loop and precision) and TorchRec's best, again, side by side with
+        # their rounds interleaved: the sides above ran one after another, over minutes of drift.
+        ours = max((r for r in rows if r["framework"] == "ours"), key=lambda r: r["samples_per_s"])
+        theirs = max((r for r in rows if r["framework"] == "torchrec"), key=lambda r: r["samples_per_s"])
+        pipelined = data if ours["loop"] == "pipeline" else None
+        times = measure_pair({
+            "ours": lambda: OurSide(sizes, settings.batch, ours["sharding"], device, world, ours["precision"],
+                                    pipelined_over=pipelined),
+            "torchrec": lambda: TorchRecSide(sizes, theirs["sharding"], torchrec_group, settings.batch),
+        }, data, settings, anchor)
+        paired = {"world": world, "ours": f"{ours['side']} ({ours['precision']})",
+                  "torchrec": f"{theirs['side']} ({theirs['precision']})",
+                  "samples_per_round": settings.steps * settings.batch,
+                  "ours_round_s": times["ours"], "torchrec_round_s": times["torchrec"]}
+        if rank == 0:
+            print(paired_line(paired), flush=True)
     dist.barrier(group=anchor)
     if rank == 0:
         peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        Path(settings.out_file).write_text(json.dumps({"world": world, "rows": rows, "rank0_peak_rss_gb": peak_rss,
+        Path(settings.out_file).write_text(json.dumps({"world": world, "rows": rows, "paired": paired,
+                                                       "rank0_peak_rss_gb": peak_rss,
                                                        "threads_per_rank": torch.get_num_threads()}))
     dist.destroy_process_group()
 
@@ -473,8 +525,28 @@ def progress_line(row: dict[str, Any]) -> str:
             f"peak tpu {row['peak_tpu_gb']:.2f} GB")
 
 
-def add_comparisons(rows: list[dict[str, Any]]) -> list[str]:
-    """Ratio to the best TorchRec side of the same world, scaling to 1 process; returns the summary lines."""
+def paired_ratios(paired: dict[str, Any]) -> tuple[float, list[float]]:
+    """Ours over TorchRec in samples/s: best round against best round, and round by round."""
+    ours, theirs = paired["ours_round_s"], paired["torchrec_round_s"]
+    return min(theirs) / min(ours), [t / o for o, t in zip(ours, theirs)]
+
+
+def paired_line(paired: dict[str, Any]) -> str:
+    best, per_round = paired_ratios(paired)
+    n = paired["samples_per_round"]
+    line = (f"world {paired['world']}, paired (built side by side, {len(per_round)} interleaved rounds each): "
+            f"{paired['ours']} {n / min(paired['ours_round_s']):,.0f} samples/s = {best:.2f}x "
+            f"{paired['torchrec']} {n / min(paired['torchrec_round_s']):,.0f} (round by round "
+            f"{min(per_round):.2f}-{max(per_round):.2f}x, median {statistics.median(per_round):.2f}x)")
+    if paired["world"] == TARGET_WORLD:
+        line += f"; target >= {TARGET}x: met {'yes' if best >= TARGET else 'NO'}"
+    return line
+
+
+def add_comparisons(rows: list[dict[str, Any]], paired: list[dict[str, Any]] = ()) -> list[str]:
+    """Ratio to the best TorchRec side of the same world, scaling to 1 process; returns the summary
+    lines. The target is judged on the paired comparison of a world when there is one (``paired``:
+    run_rank's), else on the sides measured one after another."""
     best_torchrec = {}
     for r in rows:
         if r["framework"] == "torchrec":
@@ -487,16 +559,20 @@ def add_comparisons(rows: list[dict[str, Any]]) -> list[str]:
         r["scaling_vs_1"] = r["samples_per_s"] / base if base and r["world"] != 1 else None
     lines = []
     for world in sorted({r["world"] for r in rows}):
-        ours = [r for r in rows if r["world"] == world and r["framework"] == "ours" and r["precision"] == "medium"]
+        ours = [r for r in rows if r["world"] == world and r["framework"] == "ours"]
         if not ours or world not in best_torchrec:
             continue
         best = max(ours, key=lambda r: r["samples_per_s"])
         ratio = best["samples_per_s"] / best_torchrec[world]
-        line = (f"world {world}: our best {best['side']} {best['samples_per_s']:,.0f} samples/s = {ratio:.2f}x "
-                f"TorchRec DMP's best {best_torchrec[world]:,.0f}")
-        if world == TARGET_WORLD:
+        line = (f"world {world}: our best {best['side']} ({best['precision']}) {best['samples_per_s']:,.0f} "
+                f"samples/s = {ratio:.2f}x "
+                f"TorchRec DMP's best {best_torchrec[world]:,.0f} (sides measured one after another)")
+        pair = next((p for p in paired if p["world"] == world), None)
+        if world == TARGET_WORLD and pair is None:
             line += f"; target >= {TARGET}x: met {'yes' if ratio >= TARGET else 'NO'}"
         lines.append(line)
+        if pair is not None:
+            lines.append(paired_line(pair))
     if not any(r["world"] == TARGET_WORLD for r in rows):
         lines.append(f"target (world {TARGET_WORLD}) not measured")
     plain = {(r["world"], r["sharding"], r["precision"]): r["samples_per_s"]
@@ -647,7 +723,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             results.append(result)
     rows = [r for res in results for r in res["rows"]]
-    lines = add_comparisons(rows)
+    paired = [res["paired"] for res in results if res.get("paired")]
+    lines = add_comparisons(rows, paired)
     meta = {**dataclasses.asdict(settings), "quick": quick, "worlds": worlds,
             "threads_per_rank": {res["world"]: res["threads_per_rank"] for res in results},
             "rank0_peak_rss_gb": {res["world"]: res["rank0_peak_rss_gb"] for res in results},
@@ -658,7 +735,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     plot_traces([r for r in rows if r.get("loop") == "pipeline"], args.out / "dlrm_distributed_pipeline.png")
     json_path, md_path = report.write("dlrm_distributed", {"config": meta, "target": TARGET, "rows": rows,
-                                                           "summary": lines}, table, out_dir=args.out)
+                                                           "paired": paired, "summary": lines}, table,
+                                      out_dir=args.out)
     print(f"wrote {json_path}, {md_path}")
     return 0
 
