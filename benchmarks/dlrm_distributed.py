@@ -66,9 +66,9 @@ as met yes/NO), judged on the paired comparison (on the sides measured one
 after another when TorchRec or our sides were not run). Our best side is the
 fastest of any plan, loop and precision: TorchRec runs at fp32, which our
 "highest" is too, while "medium" is the TPU's default and costs extra here
-(its bf16 rounding is a pass of its own on a CPU). This development machine has 2 cores, so 2 processes share
-them: scaling above 1 is not expected (the per-process work halves, but so do
-the cores, and the exchanges are added).
+(its bf16 rounding is a pass of its own on a CPU). This development machine
+has 2 cores, so 2 processes share them: scaling above 1 is not expected (the
+per-process work halves, but so do the cores, and the exchanges are added).
 
 The launcher has a deadline (``--timeout``, default 900 s): past it, or once a
 rank fails, every rank is killed and the run exits non-zero. Rank 0 of each
