@@ -574,6 +574,20 @@ def test_cli_trains_and_reports(tmp_path, capsys):
     assert checkpoint.load(tmp_path / checkpoint.FILENAME)["step"] == 3
 
 
+def test_loader_workers_default_to_one_on_a_free_core(monkeypatch):
+    from models import train as train_module
+
+    assert train_module.loader_workers(3) == 3 and train_module.loader_workers(0) == 0  # asked for: as asked
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(train_module, "host_cores", lambda: 8)
+    assert train_module.loader_workers(None) == 1  # 4 training threads leave 4 of 8 cores free
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert train_module.loader_workers(None) == 0  # 2 ranks x 4 threads fill the 8 cores
+    monkeypatch.setattr(train_module, "host_cores", lambda: 9)
+    assert train_module.loader_workers(None) == 1
+
+
 def _small_argv():
     return ["--scale", "1e-5", "--num-samples", "20000", "--val-samples", "4096", "--batch-size", "512",
             "--embedding-dim", "8", "--dense-arch", "16,8", "--over-arch", "16,1", "--num-workers", "0",
