@@ -169,8 +169,8 @@ def loader_workers(requested: int | None) -> int:
     """``requested``, or by default one loader process if the host has a core the training
     threads leave free, else none. On cores the training threads fill, a loader process only
     competes with them (libgomp's threads spin between parallel regions, taking the slices it
-    would run in): measured on 2 cores, the default run took 48-52 s with one worker and
-    39-41 s with none, and 2 torchrun ranks (1 thread each) 22-27 s against 21-22 s."""
+    would run in): measured on 2 cores, the default run took 48-63 s with one worker and
+    39-44 s with none, and 2 torchrun ranks (1 thread each) 22-27 s against 21-22 s."""
     if requested is not None:
         return requested
     return 1 if host_cores() > local_training_threads() else 0
