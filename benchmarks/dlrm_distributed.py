@@ -350,6 +350,16 @@ def mean_over_ranks(value: float, anchor: dist.ProcessGroup) -> float:
     return t.item() / dist.get_world_size(anchor)
 
 
+def warm_up(side: Any, data: list[Batch], settings: Settings) -> None:
+    for i in range(settings.warmup):
+        side.step(*data[i % len(data)])
+
+
+def fastest(rows: list[dict[str, Any]], framework: str) -> dict[str, Any]:
+    """The row of ``framework``'s side with the most samples/s."""
+    return max((r for r in rows if r["framework"] == framework), key=lambda r: r["samples_per_s"])
+
+
 def timed_rounds(step: Callable[..., None], data: list[Batch], settings: Settings,
                  anchor: dist.ProcessGroup) -> list[float]:
     """Seconds of each round of settings.steps steps, max over ranks (the same list on every rank)."""
@@ -400,8 +410,7 @@ def measure_side(framework: str, kind: str, precision: str, build: Callable[[], 
     started = time.perf_counter()
     side = build()
     build_s = max_over_ranks([time.perf_counter() - started], anchor)[0]
-    for i in range(settings.warmup):
-        side.step(*data[i % len(data)])
+    warm_up(side, data, settings)
     bytes_before = side.bytes_sent() if framework == "ours" else 0
     with AllToAllBytes(counted_group, rank, world) as counter:
         rounds = timed_rounds(side.step, data, settings, anchor)
@@ -436,8 +445,7 @@ def measure_pair(builds: dict[str, Callable[[], Any]], data: list[Batch], settin
     ABBA order: a paired comparison, which the machine's drifting speed moves alike."""
     sides = {name: build() for name, build in builds.items()}
     for side in sides.values():
-        for i in range(settings.warmup):
-            side.step(*data[i % len(data)])
+        warm_up(side, data, settings)
     one_round = dataclasses.replace(settings, rounds=1)
     times: dict[str, list[float]] = {name: [] for name in sides}
     for r in range(PAIRED_ROUNDS_PER_ROUND * settings.rounds):
@@ -485,7 +493,7 @@ def run_rank(rank: int, world: int, port: int, settings: Settings) -> None:
                             lambda: TorchRecSide(sizes, kind, torchrec_group, settings.batch),
                             data, settings, anchor, torchrec_group, rank, world))
     if settings.highest and settings.ours:
-        best = max((r for r in rows if r["framework"] == "ours"), key=lambda r: r["samples_per_s"])["sharding"]
+        best = fastest(rows, "ours")["sharding"]
         record(measure_side("ours", best, "highest",
                             lambda: OurSide(sizes, settings.batch, best, device, world, "highest"),
                             data, settings, anchor, None, rank, world))
@@ -493,8 +501,7 @@ def run_rank(rank: int, world: int, port: int, settings: Settings) -> None:
     if settings.ours and settings.torchrec:
         # Our best side (plan, loop and precision) and TorchRec's best, again, side by side with
         # their rounds interleaved: the sides above ran one after another, over minutes of drift.
-        ours = max((r for r in rows if r["framework"] == "ours"), key=lambda r: r["samples_per_s"])
-        theirs = max((r for r in rows if r["framework"] == "torchrec"), key=lambda r: r["samples_per_s"])
+        ours, theirs = fastest(rows, "ours"), fastest(rows, "torchrec")
         pipelined = data if ours["loop"] == "pipeline" else None
         times = measure_pair({
             "ours": lambda: OurSide(sizes, settings.batch, ours["sharding"], device, world, ours["precision"],

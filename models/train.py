@@ -173,7 +173,11 @@ def loader_workers(requested: int | None) -> int:
     39-44 s with none, and 2 torchrun ranks (1 thread each) 22-27 s against 21-22 s."""
     if requested is not None:
         return requested
-    return 1 if host_cores() > local_training_threads() else 0
+    cores, threads = host_cores(), local_training_threads()
+    workers = 1 if cores > threads else 0
+    logger.info("loader: %d worker process(es) by default (%d cores, %d training threads on them)",
+                workers, cores, threads)
+    return workers
 
 
 class RowRange:
@@ -330,10 +334,8 @@ class Trainer:
         self.train_model = DLRMTrain(self.model, loss_divisor=cfg.batch_size)
         self.pipeline = (sparsecore.TrainPipeline(self.train_model, self.dense_opt, self.device)
                          if cfg.pipeline == "exact" else None)
-        workers = loader_workers(cfg.num_workers)
-        logger.info("loader: %d worker process(es)%s", workers, "" if cfg.num_workers is not None else
-                    f" (default: {host_cores()} cores, {local_training_threads()} training threads on them)")
-        shards = dict(rank=self.rank, world_size=self.world_size, preprocessor=preprocessor, num_workers=workers)
+        shards = dict(rank=self.rank, world_size=self.world_size, preprocessor=preprocessor,
+                      num_workers=loader_workers(cfg.num_workers))
         self.train_loader = BatchLoader(self.data.train, cfg.batch_size, seed=cfg.seed, shuffle=True, **shards)
         self.val_loader = BatchLoader(self.data.val, cfg.batch_size, shuffle=False, **shards)
         per_epoch = len(self.train_loader)
