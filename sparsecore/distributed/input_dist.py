@@ -39,7 +39,7 @@ def _splits(routes: list[Route], values: torch.Tensor, lengths: torch.Tensor,
     """(lengths, ids, weights) of one feature for each of its routes. A row-sharded feature's
     owners, bags and per-shard lengths are worked out once for all its shards."""
     rows = routes[0].rows
-    if rows is None:
+    if rows is None or rows.shards == 1:  # one shard owns every id, under its own number
         return [(lengths, values, gains)] * len(routes)
     owner = rows.shard_of(values)
     local = rows.local_ids(values)

@@ -7,8 +7,11 @@ up (a variable-size reduce-scatter, as ``torch_tpu.distributed.reduce_scatter_v`
 builds it, folded into the same exchange). Its backward is the reverse
 all_to_all, so the gradient reaches each shard's fused-optimizer backward;
 deferred, that exchange and the updates run on the SparseCore executor.
-Columns with one source each are placed by one concatenation of column runs
-(no gather, no zero column), whose backward fills the send buffer directly.
+The exchange writes each received block straight into the output columns it
+belongs in, and its backward reads each rank's gradient straight from them
+(``torch_tpu.distributed.all_to_all_columns``): when every column has one
+source, the output needs no other pass; row-sharded columns are then summed
+by a gather per source.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import bisect
 
 import torch
 import torch.distributed as dist
+from torch_tpu.distributed.all_to_all_columns import all_to_all_columns, gather_columns, scatter_columns
 
 
 Run = tuple[int, int, int]
@@ -25,63 +29,46 @@ Run = tuple[int, int, int]
 
 class _RowBlocksAllToAll(torch.autograd.Function):
     """Rows [offset_r, offset_r + send_rows[r]) of x go to rank r; from each rank r come
-    ``recv_rows`` rows of its width ``recv_widths[r]``. Returns the received blocks (and
-    ``extra``, a local block, after them) side by side, or, given ``runs``, their columns
-    in the order the runs say: one concatenation, whose backward builds the send buffer
-    of the reverse exchange in one pass."""
+    ``recv_rows`` rows, which land in the output's columns ``columns[r]`` ((first column,
+    width) runs, in the order of the block's columns); ``extra``, a local block, lands in
+    ``columns[-1]`` when given. The backward sends each rank the gradient of its columns,
+    read straight from the gradient (torch_tpu.distributed.all_to_all_columns)."""
 
     @staticmethod
-    def forward(ctx, x, anchor, extra, send_rows, recv_rows, recv_widths, runs, group, counter, deferred=None):
-        ctx.shape, ctx.send_rows, ctx.recv_rows, ctx.recv_widths, ctx.group, ctx.counter = (
-            x.shape, send_rows, recv_rows, recv_widths, group, counter)
-        ctx.runs, ctx.extra_width, ctx.deferred = runs, None if extra is None else extra.shape[1], deferred
-        width = x.shape[1]
-        counter.add([r * width * x.element_size() for r in send_rows])
-        received = _exchange(x.contiguous().view(-1), [r * width for r in send_rows],
-                             [recv_rows * w for w in recv_widths], group)
-        blocks = [b.view(recv_rows, w) for b, w in zip(received.split([recv_rows * w for w in recv_widths]),
-                                                         recv_widths)]
+    def forward(ctx, x, anchor, extra, send_rows, recv_rows, columns, group, counter, deferred=None):
+        world = len(send_rows)
+        ctx.shape, ctx.send_rows, ctx.recv_rows, ctx.columns, ctx.group, ctx.counter = (
+            x.shape, send_rows, recv_rows, columns, group, counter)
+        ctx.has_extra, ctx.deferred = extra is not None, deferred
+        counter.add([r * x.shape[1] * x.element_size() for r in send_rows])
+        out = x.new_empty(recv_rows, sum(w for runs in columns for _, w in runs))
+        all_to_all_columns(out, x.contiguous(), input_split_sizes=send_rows, output_columns=columns[:world],
+                           group=group)
         if extra is not None:
-            blocks.append(extra)
-        if runs is not None:
-            return torch.cat([blocks[b][:, c:c + w] for b, c, w in runs], dim=1)
-        return torch.cat(blocks, dim=1) if blocks else x.new_zeros(recv_rows, 0)
+            scatter_columns(out, extra, columns[world])
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        rows, widths = ctx.recv_rows, list(ctx.recv_widths)
-        flat = grad.new_empty(rows * sum(widths))
-        per_block = [flat_block.view(rows, w) for flat_block, w in zip(flat.split([rows * w for w in widths]), widths)]
-        if ctx.extra_width is not None:
-            widths.append(ctx.extra_width)
-            per_block.append(grad.new_empty(rows, ctx.extra_width))
-        if ctx.runs is None:
-            for target, piece in zip(per_block, grad.split(widths, dim=1)):
-                target.copy_(piece)
-        else:
-            pieces: list[list[tuple[int, torch.Tensor]]] = [[] for _ in widths]
-            column = 0
-            for b, c, w in ctx.runs:
-                pieces[b].append((c, grad[:, column:column + w]))
-                column += w
-            for target, parts in zip(per_block, pieces):
-                if parts:
-                    torch.cat([p for _, p in sorted(parts, key=lambda cp: cp[0])], dim=1, out=target)
-        width = ctx.shape[1]
-        ctx.counter.add([rows * w * flat.element_size() for w in ctx.recv_widths])
-        extra_grad = per_block[-1] if ctx.extra_width is not None else None
-        send, recv = [rows * w for w in ctx.recv_widths], [r * width for r in ctx.send_rows]
+        grad, world = grad.contiguous(), len(ctx.send_rows)
+        ctx.counter.add([ctx.recv_rows * sum(w for _, w in runs) * grad.element_size() for runs in ctx.columns[:world]])
+        extra_grad = gather_columns(grad, ctx.columns[world]) if ctx.has_extra else None
+        shape, send_rows, columns, group = ctx.shape, ctx.send_rows, ctx.columns[:world], ctx.group
+
+        def exchange() -> torch.Tensor:
+            back = grad.new_empty(shape)
+            all_to_all_columns(back, grad, output_split_sizes=send_rows, input_columns=columns, group=group)
+            return back
+
         if ctx.deferred is not None:
             # The exchange and what needs its result run on the SparseCore executor, in order,
             # while this backward goes on: ``take(gradient of x, snapshot())`` runs there, with
             # what ``snapshot`` took now (e.g. the learning rate of this step).
             executor, take, snapshot = ctx.deferred
-            shape, group, state = ctx.shape, ctx.group, snapshot()
-            executor.defer("output dist backward",
-                           lambda: take(_exchange(flat, send, recv, group).view(shape), state))
-            return None, None, extra_grad, *(None,) * 7
-        back = _exchange(flat, send, recv, ctx.group)
-        return back.view(ctx.shape), None, extra_grad, *(None,) * 7
+            state = snapshot()
+            executor.defer("output dist backward", lambda: take(exchange(), state))
+            return None, None, extra_grad, *(None,) * 6
+        return exchange(), None, extra_grad, *(None,) * 6
 
 
 def column_runs(gather: torch.Tensor, widths: list[int]) -> list[Run] | None:
@@ -102,6 +89,20 @@ def column_runs(gather: torch.Tensor, widths: list[int]) -> list[Run] | None:
     return [(b, c, w) for b, c, w in runs]
 
 
+def block_columns(runs: list[Run] | None, widths: list[int]) -> list[list[tuple[int, int]]]:
+    """Per block, the (output column, width) runs its columns land in, in the block's order:
+    as ``runs`` place them, or (None) the blocks side by side."""
+    if runs is None:
+        starts = [sum(widths[:i]) for i in range(len(widths))]
+        return [[(start, width)] for start, width in zip(starts, widths)]
+    placed: list[list[tuple[int, int, int]]] = [[] for _ in widths]
+    column = 0
+    for block, first, width in runs:
+        placed[block].append((first, column, width))
+        column += width
+    return [[(at, width) for _, at, width in sorted(block)] for block in placed]
+
+
 class ByteCounter:
     """Bytes a rank sent to the other ranks (its own block stays home)."""
 
@@ -110,12 +111,6 @@ class ByteCounter:
 
     def add(self, per_rank: list[int]) -> None:
         self.bytes_sent += sum(b for r, b in enumerate(per_rank) if r != self.rank)
-
-
-def _exchange(flat: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-    out = flat.new_empty(sum(recv))
-    dist.all_to_all_single(out, flat, output_split_sizes=recv, input_split_sizes=send, group=group)
-    return out
 
 
 class OutputDist:
@@ -127,7 +122,9 @@ class OutputDist:
         self.replicated_width = replicated_width
         self._device_gathers: dict[torch.device, list[torch.Tensor | None]] = {}
         # Columns that have one source each (nothing row-sharded): placed by the exchange itself.
-        self._runs = column_runs(gathers[0], [*widths, replicated_width]) if len(gathers) == 1 else None
+        blocks = [*widths, replicated_width]
+        self._runs = column_runs(gathers[0], blocks) if len(gathers) == 1 else None
+        self._columns = block_columns(self._runs, blocks)
         self._anchor: dict[torch.device, torch.Tensor] = {}
         self.sent = ByteCounter(rank)
         """Bytes of pooled rows (forward) and their gradients (backward) sent to other ranks."""
@@ -142,8 +139,7 @@ class OutputDist:
         if len(batch_sizes) == 1:  # one rank: its rows are already home
             joined = pooled if replicated is None else torch.cat([pooled, replicated], dim=1)
             return self._gather(joined)
-        runs = self._runs
-        args = (batch_sizes, batch_sizes[rank], self.widths, runs, self.group, self.sent)
+        args = (batch_sizes, batch_sizes[rank], self._columns, self.group, self.sent)
         if torch.is_grad_enabled():
             args = (*args, deferred)
             # Makes the exchange part of every rank's graph even where the local rows need
@@ -153,7 +149,7 @@ class OutputDist:
             joined = _RowBlocksAllToAll.apply(pooled, self._anchor[device], replicated, *args)
         else:
             joined = _RowBlocksAllToAll.forward(_NoCtx(), pooled, None, replicated, *args)
-        return joined if runs is not None else self._gather(joined)
+        return joined if self._runs is not None else self._gather(joined)
 
     def _gather(self, joined: torch.Tensor) -> torch.Tensor:
         """The module's columns from the blocks side by side, summing row-sharded sources."""

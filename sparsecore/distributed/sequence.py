@@ -20,7 +20,6 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from sparsecore.distributed.layout import Route
 from sparsecore.distributed.output_dist import ByteCounter
-from sparsecore.distributed.output_dist import _exchange as all_to_all
 from sparsecore.distributed.plan import ShardingPlan
 from sparsecore.distributed.sharded import ShardedSparseCoreCollection
 from sparsecore.modules import SparseCoreEmbeddingCollection
@@ -42,7 +41,9 @@ class _AllToAll(torch.autograd.Function):
 
 def _exchange(flat: torch.Tensor, send: list[int], recv: list[int], group, counter: ByteCounter) -> torch.Tensor:
     counter.add([n * flat.element_size() for n in send])
-    return all_to_all(flat, send, recv, group)
+    out = flat.new_empty(sum(recv))
+    dist.all_to_all_single(out, flat, output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out
 
 
 class ShardedSparseCoreEmbeddingCollection(ShardedSparseCoreCollection):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.testing import assert_close
 
 from tests.distributed.harness import assert_all_ok, run_ranks
-from torch_tpu.distributed import group_transport
+from torch_tpu.distributed import all_to_all_columns, group_transport
 from torch_tpu.distributed.shared_memory import requested_transport, slot_bytes
 
 SMALL_SLOT = {"TORCH_TPU_DIST_SLOT_BYTES": "4096"}
@@ -238,3 +238,67 @@ def test_transport_settings_are_checked(monkeypatch):
         slot_bytes()
     monkeypatch.setenv("TORCH_TPU_DIST_SLOT_BYTES", "8192")
     assert slot_bytes() == 8192
+
+
+def shuffled_runs(widths: list[int], seed: int) -> list[list[tuple[int, int]]]:
+    """Every block's columns in runs of at most 2, the runs dealt out over the output's columns
+    in a shuffled order: per block, its (output column, width) runs in the block's order."""
+    pieces = [(b, c, min(2, w - c)) for b, w in enumerate(widths) for c in range(0, w, 2)]
+    order = torch.randperm(len(pieces), generator=torch.Generator().manual_seed(seed)).tolist()
+    placed: list[list[tuple[int, int, int]]] = [[] for _ in widths]
+    column = 0
+    for i in order:
+        b, c, w = pieces[i]
+        placed[b].append((c, column, w))
+        column += w
+    return [[(at, w) for _, at, w in sorted(block)] for block in placed]
+
+
+def column_exchanges(rank: int, world: int) -> list[str]:
+    """all_to_all_columns on the shared-memory group and on a gloo-alone one, both ways, against
+    the blocks cut and placed by hand from every rank's input."""
+    batches = [170, 130, 150][:world]  # rows each rank owns: a float32 block spans rounds, mid-row
+    widths = [5, 3, 4][:world]   # columns each rank's block has
+    starts = [sum(batches[:r]) for r in range(world)]
+    runs = shuffled_runs(widths, seed=world)
+    alone = gloo_alone_group()
+    checked = []
+    for dtype in (torch.float32, torch.bfloat16):
+        rows_of = [rank_input(r, sum(batches) * widths[r], dtype).view(sum(batches), widths[r]) for r in range(world)]
+        mine = slice(starts[rank], starts[rank] + batches[rank])
+        joined = torch.empty(batches[rank], sum(widths), dtype=dtype)  # by hand: each block's runs
+        for r in range(world):
+            at = 0
+            for column, width in runs[r]:
+                joined[:, column:column + width] = rows_of[r][mine, at:at + width]
+                at += width
+        grads = [rank_input(10 + r, batches[r] * sum(widths), dtype).view(batches[r], sum(widths))
+                 for r in range(world)]
+        back = torch.cat([torch.cat([grads[s][:, c:c + w] for c, w in runs[rank]], dim=1) for s in range(world)])
+        for transport, group in (("shared_memory", None), ("gloo", alone)):
+            assert group_transport(group) == transport
+            out = tpu(torch.full((batches[rank], sum(widths)), -1.0, dtype=dtype))
+            all_to_all_columns(out, tpu(rows_of[rank]), input_split_sizes=batches, output_columns=runs, group=group)
+            check(out, joined)
+            out = tpu(torch.empty(sum(batches), widths[rank], dtype=dtype))
+            all_to_all_columns(out, tpu(grads[rank]), output_split_sizes=batches, input_columns=runs, group=group)
+            check(out, back)
+            checked.append(f"{transport} {dtype}")
+    try:  # rank 1 names a column past its output's end: every rank is told, with rank 1's reason
+        wrong = [list(r) for r in runs]
+        if rank == 1:
+            wrong[0] = [(sum(widths) - 1, 3)]
+        all_to_all_columns(tpu(torch.empty(batches[rank], sum(widths))), tpu(rows_of[rank].float()),
+                           input_split_sizes=batches, output_columns=wrong)
+    except RuntimeError as e:
+        checked.append(str(e))
+    return checked
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_to_all_columns_places_blocks_in_their_columns(world_size):
+    columns = 8 if world_size == 2 else 12
+    for checked in assert_all_ok(run_ranks(column_exchanges, world_size, env=SMALL_SLOT)):
+        assert checked[:4] == [f"{t} {d}" for d in (torch.float32, torch.bfloat16) for t in ("shared_memory", "gloo")]
+        assert (f"rank 1: tpu_dist all_to_all_columns: output column run [{columns - 1}, {columns + 2}) lies "
+                f"outside its {columns} columns") in checked[4], checked[4:]

@@ -366,12 +366,57 @@ bool has_shared_memory(const std::string& group) {
   return shm::find(group) != nullptr;
 }
 
+namespace {
+
+// (peer, column, width) triples, in block order per peer: the runs per peer; none: no runs.
+std::vector<std::vector<shm::ColumnRun>> runs_per_peer(c10::IntArrayRef triples, int world, const char* which) {
+  TORCH_CHECK(triples.size() % 3 == 0, "tpu_dist all_to_all_columns: ", which,
+              " columns are (rank, column, width) triples, got ", triples.size(), " numbers");
+  std::vector<std::vector<shm::ColumnRun>> runs;
+  if (triples.empty()) return runs;
+  runs.resize(world);
+  for (size_t i = 0; i < triples.size(); i += 3) {
+    TORCH_CHECK(triples[i] >= 0 && triples[i] < world, "tpu_dist all_to_all_columns: ", which,
+                " column run for rank ", triples[i], " outside the group of ", world);
+    runs[triples[i]].push_back({triples[i + 1], triples[i + 2]});
+  }
+  return runs;
+}
+
+at::Tensor dense_host_view(HostViews& views, const at::Tensor& t, const char* which) {
+  TORCH_CHECK(t.layout() == c10::kStrided && t.is_contiguous() && (t.is_cpu() || is_tpu(t)),
+              "tpu_dist all_to_all_columns: the ", which, " must be a contiguous cpu or tpu tensor");
+  return views.to_host(t).toTensor();
+}
+
+// all_to_all_single over the group's shared-memory channel with column runs of
+// a 2-D tensor on one side (shm::all_to_all_columns): the sharded embeddings'
+// output dist places received blocks straight into their columns.
+void all_to_all_columns(const at::Tensor& output, const at::Tensor& input, c10::IntArrayRef output_split_sizes,
+                        c10::IntArrayRef input_split_sizes, c10::IntArrayRef output_columns,
+                        c10::IntArrayRef input_columns, const std::string& group) {
+  const auto channel = shm::find(group);
+  TORCH_CHECK(channel != nullptr, "tpu_dist all_to_all_columns: group ", group,
+              " has no shared-memory channel (torch_tpu.distributed.group_transport tells)");
+  HostViews views;
+  const at::Tensor out = dense_host_view(views, output, "output");
+  const at::Tensor in = dense_host_view(views, input, "input");
+  std::lock_guard<std::mutex> lock(channel->mutex());
+  shm::all_to_all_columns(*channel, out, in, output_split_sizes, input_split_sizes,
+                          runs_per_peer(output_columns, channel->world(), "output"),
+                          runs_per_peer(input_columns, channel->world(), "input"), shm::Timeout(-1));
+}
+
+} // namespace
+
 TORCH_LIBRARY_FRAGMENT(torch_tpu, m) {
   m.def("_register_collectives() -> ()", register_collectives);
   m.def("_open_shared_memory(str group, str path, int rank, int world, int slot_bytes, bool create, "
         "int timeout_ms) -> bool", open_shared_memory);
   m.def("_close_shared_memory(str group) -> ()", close_shared_memory);
   m.def("_has_shared_memory(str group) -> bool", has_shared_memory);
+  m.def("_all_to_all_columns(Tensor(a!) output, Tensor input, int[] output_split_sizes, int[] input_split_sizes, "
+        "int[] output_columns, int[] input_columns, str group) -> ()", all_to_all_columns);
 }
 
 } // namespace torch_tpu

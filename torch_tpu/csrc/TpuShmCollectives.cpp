@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <sstream>
 #include <vector>
 
@@ -375,12 +376,119 @@ std::vector<int64_t> starts(const std::vector<int64_t>& sizes) {
 
 } // namespace
 
+namespace {
+
+// Where the block a rank exchanges with each peer lies in one of its tensors:
+// either the tensor's bytes split in order (all_to_all_single's row splits), or
+// column runs of a 2-D tensor, all its rows, side by side forming the block
+// (row-major: each row of the block is the row's runs, in order).
+class Blocks {
+ public:
+  Blocks(const at::Tensor& t, std::vector<int64_t> bytes) : base_(bytes_of(t)), bytes_(std::move(bytes)) {
+    starts_ = starts(bytes_);
+  }
+
+  Blocks(const at::Tensor& t, const std::vector<std::vector<ColumnRun>>& columns, int world, const char* which)
+      : base_(bytes_of(t)) {
+    TORCH_CHECK(t.dim() == 2, "tpu_dist all_to_all_columns: the ", which, " must be 2-D to take column runs, got ",
+                t.sizes());
+    TORCH_CHECK(static_cast<int>(columns.size()) == world, "tpu_dist all_to_all_columns: ", which,
+                " column runs need one list per rank (", world, "), got ", columns.size());
+    const int64_t element = t.element_size();
+    row_stride_ = t.size(1) * element;
+    rows_ = t.size(0);
+    for (const auto& runs : columns) {
+      std::vector<ColumnRun> in_bytes;
+      int64_t width = 0;
+      for (const ColumnRun& run : runs) {
+        TORCH_CHECK(run.column >= 0 && run.width >= 0 && run.column + run.width <= t.size(1),
+                    "tpu_dist all_to_all_columns: ", which, " column run [", run.column, ", ",
+                    run.column + run.width, ") lies outside its ", t.size(1), " columns");
+        if (run.width > 0) in_bytes.push_back({run.column * element, run.width * element});
+        width += run.width * element;
+      }
+      runs_.push_back(std::move(in_bytes));
+      row_bytes_.push_back(width);
+      bytes_.push_back(width * rows_);
+    }
+  }
+
+  const std::vector<int64_t>& bytes() const { return bytes_; }
+  bool contiguous() const { return runs_.empty(); }
+  char* begin(int peer) const { return base_ + starts_[peer]; }  // contiguous blocks only
+
+  // to[0, n) = bytes [at, at + n) of the peer's block.
+  void read(int peer, int64_t at, int64_t n, char* to) const {
+    walk(peer, at, n, [to](char* here, int64_t len, int64_t done) { std::memcpy(to + done, here, len); });
+  }
+
+  // Bytes [at, at + n) of the peer's block = from[0, n).
+  void write(int peer, int64_t at, int64_t n, const char* from) const {
+    walk(peer, at, n, [from](char* here, int64_t len, int64_t done) { std::memcpy(here, from + done, len); });
+  }
+
+ private:
+  template <typename Copy>
+  void walk(int peer, int64_t at, int64_t n, const Copy& copy) const {
+    if (n <= 0) return;
+    if (runs_.empty()) {
+      copy(base_ + starts_[peer] + at, n, 0);
+      return;
+    }
+    const auto& runs = runs_[peer];
+    const int64_t row_bytes = row_bytes_[peer];
+    int64_t row = at / row_bytes;
+    int64_t pos = at % row_bytes;  // within the block's row
+    size_t i = 0;
+    int64_t run_start = 0;  // the block byte where run i starts
+    for (int64_t done = 0; done < n;) {
+      while (pos >= run_start + runs[i].width) run_start += runs[i++].width;
+      const int64_t len = std::min(run_start + runs[i].width - pos, n - done);
+      copy(base_ + row * row_stride_ + runs[i].column + (pos - run_start), len, done);
+      done += len;
+      pos += len;
+      if (pos == row_bytes) {
+        ++row;
+        pos = 0;
+        i = 0;
+        run_start = 0;
+      }
+    }
+  }
+
+  char* base_;
+  std::vector<int64_t> bytes_;
+  std::vector<int64_t> starts_;
+  std::vector<std::vector<ColumnRun>> runs_;  // in bytes
+  std::vector<int64_t> row_bytes_;
+  int64_t row_stride_ = 0;
+  int64_t rows_ = 0;
+};
+
+std::unique_ptr<Blocks> blocks_of(const at::Tensor& t, c10::IntArrayRef splits,
+                                  const std::vector<std::vector<ColumnRun>>& columns, int world, const char* which) {
+  if (columns.empty()) return std::make_unique<Blocks>(t, split_bytes(t, splits, world, which));
+  TORCH_CHECK(splits.empty(), "tpu_dist all_to_all_columns: the ", which,
+              " takes column runs or split sizes, not both");
+  TORCH_CHECK(t.is_contiguous(), "tpu_dist all_to_all_columns: the ", which, " must be contiguous");
+  return std::make_unique<Blocks>(t, columns, world, which);
+}
+
+} // namespace
+
 void all_to_all(Channel& ch, const at::Tensor& output, const at::Tensor& input, c10::IntArrayRef output_splits,
                 c10::IntArrayRef input_splits, Timeout timeout) {
+  all_to_all_columns(ch, output, input, output_splits, input_splits, {}, {}, timeout);
+}
+
+void all_to_all_columns(Channel& ch, const at::Tensor& output, const at::Tensor& input,
+                        c10::IntArrayRef output_splits, c10::IntArrayRef input_splits,
+                        const std::vector<std::vector<ColumnRun>>& output_columns,
+                        const std::vector<std::vector<ColumnRun>>& input_columns, Timeout timeout) {
   const int world = ch.world();
   const int me = ch.rank();
-  std::vector<int64_t> send;
-  std::vector<int64_t> recv;
+  std::unique_ptr<Blocks> in;
+  std::unique_ptr<Blocks> out;
   const std::string wrong = failure_of([&] {
     TORCH_CHECK(output.scalar_type() == input.scalar_type(), "tpu_dist all_to_all_single: input ",
                 input.scalar_type(), " and output ", output.scalar_type(), " must have the same dtype");
@@ -388,20 +496,23 @@ void all_to_all(Channel& ch, const at::Tensor& output, const at::Tensor& input, 
     const char* out_begin = bytes_of(output);
     TORCH_CHECK(out_begin + output.nbytes() <= in_begin || in_begin + input.nbytes() <= out_begin,
                 "tpu_dist all_to_all_single: the output must not overlap the input (later rounds still send it)");
-    send = split_bytes(input, input_splits, world, "input");
-    recv = split_bytes(output, output_splits, world, "output");
+    TORCH_CHECK(output_columns.empty() || input_columns.empty(),
+                "tpu_dist all_to_all_columns: column runs on the input or on the output, not both");
+    in = blocks_of(input, input_splits, input_columns, world, "input");
+    out = blocks_of(output, output_splits, output_columns, world, "output");
   });
-  Rounds rounds(ch, header_of(Collective::kAllToAll, input, -1, -1), timeout, send, recv);
+  const std::vector<int64_t> none(world, 0);
+  Rounds rounds(ch, header_of(Collective::kAllToAll, input, -1, -1), timeout, in ? in->bytes() : none,
+                out ? out->bytes() : none);
   if (!wrong.empty()) rounds.fail_with(wrong);
-  const std::vector<int64_t> send_at = starts(send);
-  const std::vector<int64_t> recv_at = starts(recv);
+  const std::vector<int64_t>& send = in->bytes();
+  const std::vector<int64_t>& recv = out->bytes();
   const int64_t share = share_of_slot(ch);
   int64_t num_rounds = 1;  // known after the first exchange
   for (int64_t k = 0; k < num_rounds; ++k) {
     const int set = rounds.begin();
     for (int d = 0; d < world; ++d) {
-      if (d != me) copy_bytes(ch.slot(set, me) + d * share, bytes_of(input) + send_at[d] + k * share,
-                              piece(send[d], k, share));
+      if (d != me) in->read(d, k * share, piece(send[d], k, share), ch.slot(set, me) + d * share);
     }
     rounds.exchange();
     if (k == 0) {
@@ -410,11 +521,15 @@ void all_to_all(Channel& ch, const at::Tensor& output, const at::Tensor& input, 
           if (s != d) num_rounds = std::max(num_rounds, (rounds.sent()[s][d] + share - 1) / share);
         }
       }
-      copy_bytes(bytes_of(output) + recv_at[me], bytes_of(input) + send_at[me], send[me]);
+      // This rank's own block: at most one side has column runs.
+      if (in->contiguous()) {
+        out->write(me, 0, send[me], in->begin(me));
+      } else {
+        in->read(me, 0, send[me], out->begin(me));
+      }
     }
     for (int s = 0; s < world; ++s) {
-      if (s != me) copy_bytes(bytes_of(output) + recv_at[s] + k * share, ch.slot(set, s) + me * share,
-                              piece(recv[s], k, share));
+      if (s != me) out->write(s, k * share, piece(recv[s], k, share), ch.slot(set, s) + me * share);
     }
   }
 }

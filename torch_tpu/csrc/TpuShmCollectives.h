@@ -15,6 +15,7 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <chrono>
+#include <vector>
 
 namespace torch_tpu {
 namespace shm {
@@ -31,6 +32,21 @@ void reduce_scatter_into(Channel& channel, const at::Tensor& output, const at::T
 // Splits count rows (dim 0); empty splits mean even ones.
 void all_to_all(Channel& channel, const at::Tensor& output, const at::Tensor& input,
                 c10::IntArrayRef output_splits, c10::IntArrayRef input_splits, Timeout timeout);
+
+// Columns [column, column + width) of a 2-D tensor, in elements.
+struct ColumnRun {
+  int64_t column;
+  int64_t width;
+};
+
+// all_to_all whose blocks, on one side, are column runs of a 2-D tensor rather
+// than its rows: the block exchanged with peer p is every row of the runs
+// columns[p], side by side (its split sizes are then implied; pass none). The
+// bytes on the wire are all_to_all_single's, so peers may call either.
+void all_to_all_columns(Channel& channel, const at::Tensor& output, const at::Tensor& input,
+                        c10::IntArrayRef output_splits, c10::IntArrayRef input_splits,
+                        const std::vector<std::vector<ColumnRun>>& output_columns,
+                        const std::vector<std::vector<ColumnRun>>& input_columns, Timeout timeout);
 
 } // namespace shm
 } // namespace torch_tpu
