@@ -283,6 +283,11 @@ def column_exchanges(rank: int, world: int) -> list[str]:
             out = tpu(torch.empty(sum(batches), widths[rank], dtype=dtype))
             all_to_all_columns(out, tpu(grads[rank]), output_split_sizes=batches, input_columns=runs, group=group)
             check(out, back)
+            # No rank sends a column (data-parallel tables fill the output locally): nothing moves.
+            out = tpu(torch.full((batches[rank], 3), -1.0, dtype=dtype))
+            all_to_all_columns(out, tpu(torch.empty(sum(batches), 0, dtype=dtype)), input_split_sizes=batches,
+                               output_columns=[[] for _ in range(world)], group=group)
+            check(out, torch.full((batches[rank], 3), -1.0, dtype=dtype))
             checked.append(f"{transport} {dtype}")
     try:  # rank 1 names a column past its output's end: every rank is told, with rank 1's reason
         wrong = [list(r) for r in runs]

@@ -368,12 +368,14 @@ bool has_shared_memory(const std::string& group) {
 
 namespace {
 
-// (peer, column, width) triples, in block order per peer: the runs per peer; none: no runs.
-std::vector<std::vector<shm::ColumnRun>> runs_per_peer(c10::IntArrayRef triples, int world, const char* which) {
+// (peer, column, width) triples, in block order per peer: the runs per peer
+// (every peer's list, empty ones too); None: that side has no column runs.
+std::vector<std::vector<shm::ColumnRun>> runs_per_peer(at::OptionalIntArrayRef columns, int world, const char* which) {
+  std::vector<std::vector<shm::ColumnRun>> runs;
+  if (!columns.has_value()) return runs;
+  const c10::IntArrayRef triples = *columns;
   TORCH_CHECK(triples.size() % 3 == 0, "tpu_dist all_to_all_columns: ", which,
               " columns are (rank, column, width) triples, got ", triples.size(), " numbers");
-  std::vector<std::vector<shm::ColumnRun>> runs;
-  if (triples.empty()) return runs;
   runs.resize(world);
   for (size_t i = 0; i < triples.size(); i += 3) {
     TORCH_CHECK(triples[i] >= 0 && triples[i] < world, "tpu_dist all_to_all_columns: ", which,
@@ -393,8 +395,8 @@ at::Tensor dense_host_view(HostViews& views, const at::Tensor& t, const char* wh
 // a 2-D tensor on one side (shm::all_to_all_columns): the sharded embeddings'
 // output dist places received blocks straight into their columns.
 void all_to_all_columns(const at::Tensor& output, const at::Tensor& input, c10::IntArrayRef output_split_sizes,
-                        c10::IntArrayRef input_split_sizes, c10::IntArrayRef output_columns,
-                        c10::IntArrayRef input_columns, const std::string& group) {
+                        c10::IntArrayRef input_split_sizes, at::OptionalIntArrayRef output_columns,
+                        at::OptionalIntArrayRef input_columns, const std::string& group) {
   const auto channel = shm::find(group);
   TORCH_CHECK(channel != nullptr, "tpu_dist all_to_all_columns: group ", group,
               " has no shared-memory channel (torch_tpu.distributed.group_transport tells)");
@@ -416,7 +418,7 @@ TORCH_LIBRARY_FRAGMENT(torch_tpu, m) {
   m.def("_close_shared_memory(str group) -> ()", close_shared_memory);
   m.def("_has_shared_memory(str group) -> bool", has_shared_memory);
   m.def("_all_to_all_columns(Tensor(a!) output, Tensor input, int[] output_split_sizes, int[] input_split_sizes, "
-        "int[] output_columns, int[] input_columns, str group) -> ()", all_to_all_columns);
+        "int[]? output_columns, int[]? input_columns, str group) -> ()", all_to_all_columns);
 }
 
 } // namespace torch_tpu

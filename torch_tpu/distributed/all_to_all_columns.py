@@ -61,8 +61,11 @@ def all_to_all_columns(
         dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group)
 
 
-def _triples(columns: ColumnRuns | None) -> list[int]:
-    return [x for rank, runs in enumerate(columns or ()) for column, width in runs for x in (rank, column, width)]
+def _triples(columns: ColumnRuns | None) -> list[int] | None:
+    """The runs as the op takes them: (rank, column, width) triples; None: no runs on that side."""
+    if columns is None:
+        return None
+    return [x for rank, runs in enumerate(columns) for column, width in runs for x in (rank, column, width)]
 
 
 def gather_columns(t: torch.Tensor, runs: Sequence[tuple[int, int]]) -> torch.Tensor:
