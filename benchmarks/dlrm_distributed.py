@@ -46,12 +46,15 @@ before each round; a round's time is the max over ranks (all_reduce MAX); the
 best round is reported as samples/s of the global batch. Intra-op threads per
 rank: cores // N (``--threads``), the same for both sides.
 
-Then a paired comparison: our best side and TorchRec's best are built again,
-side by side in the same processes, and timed in interleaved rounds (ABBA
-order, 2 x ``--rounds`` each). Sides timed one after another meet whatever
-speed this machine drifts to meanwhile (the same side's rounds have differed
-by 1.5x within minutes); interleaved rounds meet it alike. Printed: best round
-against best round, and the range and median of the round-by-round ratios.
+Then a paired comparison: our three fastest sides and TorchRec's (up to three)
+are built again, side by side in the same processes, and timed in interleaved
+rounds (ABC, CBA, ...; 2 x ``--rounds`` each). Sides timed one after another
+meet whatever speed this machine drifts to meanwhile (the same side's rounds
+have differed by 1.5x within minutes), so the fastest side of each framework
+is picked from these rounds, which meet the drift alike (picking by the rounds
+above once paired TorchRec with a side whose fast rounds were the machine's).
+Printed: best round against best round of the two fastest, the range and
+median of their round-by-round ratios, and the other sides' best rounds.
 
 Reported per (world, side): samples/s, all-to-all bytes per step per rank
 (mean over ranks: ours from ShardedSparseCoreEmbeddingBagCollection.bytes_sent()
@@ -133,6 +136,8 @@ PIPELINE_TARGET = 1.15
 """sparsecore.TrainPipeline / the plain loop, same plan and world."""
 PAIRED_ROUNDS_PER_ROUND = 2
 """The paired comparison's rounds per side, as a multiple of ``--rounds``."""
+PAIRED_CANDIDATES = 3
+"""Sides per framework in the paired comparison: its fastest ones measured one after another."""
 DATA_SEED = 1  # benchmarks.dlrm.batches' seed: the same synthetic batches
 
 Batch = tuple[torch.Tensor, Any, torch.Tensor]  # (dense, KJT, labels) of one rank's slice
@@ -355,9 +360,13 @@ def warm_up(side: Any, data: list[Batch], settings: Settings) -> None:
         side.step(*data[i % len(data)])
 
 
-def fastest(rows: list[dict[str, Any]], framework: str) -> dict[str, Any]:
-    """The row of ``framework``'s side with the most samples/s."""
-    return max((r for r in rows if r["framework"] == framework), key=lambda r: r["samples_per_s"])
+def fastest(rows: list[dict[str, Any]], framework: str, count: int = 1) -> list[dict[str, Any]]:
+    """The rows of ``framework``'s ``count`` sides with the most samples/s, fastest first."""
+    return sorted((r for r in rows if r["framework"] == framework), key=lambda r: -r["samples_per_s"])[:count]
+
+
+def side_name(row: dict[str, Any]) -> str:
+    return f"{row['side']} ({row['precision']})"
 
 
 def timed_rounds(step: Callable[..., None], data: list[Batch], settings: Settings,
@@ -441,8 +450,8 @@ def measure_side(framework: str, kind: str, precision: str, build: Callable[[], 
 
 def measure_pair(builds: dict[str, Callable[[], Any]], data: list[Batch], settings: Settings,
                  anchor: dist.ProcessGroup) -> dict[str, list[float]]:
-    """Round times (max over ranks) of sides built side by side, their rounds interleaved in
-    ABBA order: a paired comparison, which the machine's drifting speed moves alike."""
+    """Round times (max over ranks) of sides built side by side, their rounds interleaved
+    (ABC, CBA, ...): a paired comparison, which the machine's drifting speed moves alike."""
     sides = {name: build() for name, build in builds.items()}
     for side in sides.values():
         warm_up(side, data, settings)
@@ -493,25 +502,31 @@ def run_rank(rank: int, world: int, port: int, settings: Settings) -> None:
                             lambda: TorchRecSide(sizes, kind, torchrec_group, settings.batch),
                             data, settings, anchor, torchrec_group, rank, world))
     if settings.highest and settings.ours:
-        best = fastest(rows, "ours")["sharding"]
+        best = fastest(rows, "ours")[0]["sharding"]
         record(measure_side("ours", best, "highest",
                             lambda: OurSide(sizes, settings.batch, best, device, world, "highest"),
                             data, settings, anchor, None, rank, world))
     paired = None
     if settings.ours and settings.torchrec:
-        # Our best side (plan, loop and precision) and TorchRec's best, again, side by side with
-        # their rounds interleaved: the sides above ran one after another, over minutes of drift.
-        ours, theirs = fastest(rows, "ours"), fastest(rows, "torchrec")
-        pipelined = data if ours["loop"] == "pipeline" else None
-        times = measure_pair({
-            "ours": lambda: OurSide(sizes, settings.batch, ours["sharding"], device, world, ours["precision"],
-                                    pipelined_over=pipelined),
-            "torchrec": lambda: TorchRecSide(sizes, theirs["sharding"], torchrec_group, settings.batch),
-        }, data, settings, anchor)
-        paired = {"world": world, "ours": f"{ours['side']} ({ours['precision']})",
-                  "torchrec": f"{theirs['side']} ({theirs['precision']})",
+        # Our fastest sides (plan, loop and precision) and TorchRec's, again, side by side with
+        # their rounds interleaved: the sides above ran one after another, over minutes of drift,
+        # so which is fastest is decided here too, under the same conditions for all.
+        candidates = fastest(rows, "ours", PAIRED_CANDIDATES) + fastest(rows, "torchrec", PAIRED_CANDIDATES)
+
+        def build(row: dict[str, Any]) -> Callable[[], Any]:
+            if row["framework"] == "torchrec":
+                return lambda: TorchRecSide(sizes, row["sharding"], torchrec_group, settings.batch)
+            pipelined = data if row["loop"] == "pipeline" else None
+            return lambda: OurSide(sizes, settings.batch, row["sharding"], device, world, row["precision"],
+                                   pipelined_over=pipelined)
+
+        times = measure_pair({side_name(r): build(r) for r in candidates}, data, settings, anchor)
+        best = {framework: min((side_name(r) for r in candidates if r["framework"] == framework),
+                               key=lambda name: min(times[name])) for framework in ("ours", "torchrec")}
+        paired = {"world": world, "ours": best["ours"], "torchrec": best["torchrec"],
                   "samples_per_round": settings.steps * settings.batch,
-                  "ours_round_s": times["ours"], "torchrec_round_s": times["torchrec"]}
+                  "ours_round_s": times[best["ours"]], "torchrec_round_s": times[best["torchrec"]],
+                  "candidates_round_s": times}
         if rank == 0:
             print(paired_line(paired), flush=True)
     dist.barrier(group=anchor)
@@ -541,10 +556,13 @@ def paired_ratios(paired: dict[str, Any]) -> tuple[float, list[float]]:
 def paired_line(paired: dict[str, Any]) -> str:
     best, per_round = paired_ratios(paired)
     n = paired["samples_per_round"]
+    others = ", ".join(f"{name} {n / min(t):,.0f}" for name, t in paired.get("candidates_round_s", {}).items()
+                       if name not in (paired["ours"], paired["torchrec"]))
     line = (f"world {paired['world']}, paired (built side by side, {len(per_round)} interleaved rounds each): "
             f"{paired['ours']} {n / min(paired['ours_round_s']):,.0f} samples/s = {best:.2f}x "
             f"{paired['torchrec']} {n / min(paired['torchrec_round_s']):,.0f} (round by round "
-            f"{min(per_round):.2f}-{max(per_round):.2f}x, median {statistics.median(per_round):.2f}x)")
+            f"{min(per_round):.2f}-{max(per_round):.2f}x, median {statistics.median(per_round):.2f}x)"
+            + (f"; the other sides of those rounds: {others}" if others else ""))
     if paired["world"] == TARGET_WORLD:
         line += f"; target >= {TARGET}x: met {'yes' if best >= TARGET else 'NO'}"
     return line
