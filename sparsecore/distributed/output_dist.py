@@ -10,42 +10,68 @@ deferred, that exchange and the updates run on the SparseCore executor.
 The exchange writes each received block straight into the output columns it
 belongs in, and its backward reads each rank's gradient straight from them
 (``torch_tpu.distributed.all_to_all_columns``): when every column has one
-source, the output needs no other pass; row-sharded columns are then summed
-by a gather per source.
+source, the output needs no other pass; with row-sharded tables the blocks
+land side by side and are added into their columns. (One rank: the output
+is the local blocks, gathered.)
 """
 
 from __future__ import annotations
 
-import bisect
+import dataclasses
 
 import torch
 import torch.distributed as dist
 from torch_tpu.distributed.all_to_all_columns import all_to_all_columns, gather_columns, scatter_columns
 
 
-Run = tuple[int, int, int]
-"""(source block, its first column, width): consecutive output columns taken from one block."""
+Runs = list[tuple[int, int]]
+"""(first output column, width) runs, in the order of a block's columns."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where the blocks of the exchange (each rank's, then the replicated tables' own)
+    land in the module's ``width`` output columns: ``columns[b]``, block b's runs. With
+    row-sharded tables a column has a source per shard (``summed``): the blocks add up."""
+
+    columns: list[Runs]
+    width: int
+    summed: bool
 
 
 class _RowBlocksAllToAll(torch.autograd.Function):
     """Rows [offset_r, offset_r + send_rows[r]) of x go to rank r; from each rank r come
-    ``recv_rows`` rows, which land in the output's columns ``columns[r]`` ((first column,
-    width) runs, in the order of the block's columns); ``extra``, a local block, lands in
-    ``columns[-1]`` when given. The backward sends each rank the gradient of its columns,
-    read straight from the gradient (torch_tpu.distributed.all_to_all_columns)."""
+    ``recv_rows`` rows, which land in (or, summed, add to) the output's columns
+    ``placement.columns[r]``; ``extra``, a local block, in the last block's. The backward
+    sends each rank the gradient of its columns, read straight from the gradient
+    (torch_tpu.distributed.all_to_all_columns)."""
 
     @staticmethod
-    def forward(ctx, x, anchor, extra, send_rows, recv_rows, columns, group, counter, deferred=None):
-        world = len(send_rows)
+    def forward(ctx, x, anchor, extra, send_rows, recv_rows, placement, group, counter, deferred=None):
+        world, columns = len(send_rows), placement.columns
         ctx.shape, ctx.send_rows, ctx.recv_rows, ctx.columns, ctx.group, ctx.counter = (
             x.shape, send_rows, recv_rows, columns, group, counter)
         ctx.has_extra, ctx.deferred = extra is not None, deferred
         counter.add([r * x.shape[1] * x.element_size() for r in send_rows])
-        out = x.new_empty(recv_rows, sum(w for runs in columns for _, w in runs))
-        all_to_all_columns(out, x.contiguous(), input_split_sizes=send_rows, output_columns=columns[:world],
-                           group=group)
-        if extra is not None:
-            scatter_columns(out, extra, columns[world])
+        if not placement.summed:  # one source a column: the exchange puts every block in place
+            out = x.new_empty(recv_rows, placement.width)
+            all_to_all_columns(out, x.contiguous(), input_split_sizes=send_rows, output_columns=columns[:world],
+                               group=group)
+            if extra is not None:
+                scatter_columns(out, extra, columns[world])
+            return out
+        widths = [sum(w for _, w in runs) for runs in columns[:world]]
+        joined = x.new_empty(recv_rows, sum(widths))  # the blocks side by side
+        starts = [sum(widths[:i]) for i in range(world)]
+        all_to_all_columns(joined, x.contiguous(), input_split_sizes=send_rows,
+                           output_columns=[[(at, w)] for at, w in zip(starts, widths)], group=group)
+        out = x.new_zeros(recv_rows, placement.width)
+        blocks = [*joined.split(widths, dim=1), *([] if extra is None else [extra])]
+        for block, runs in zip(blocks, columns):
+            at = 0
+            for column, width in runs:
+                out[:, column:column + width] += block[:, at:at + width]
+                at += width
         return out
 
     @staticmethod
@@ -71,36 +97,32 @@ class _RowBlocksAllToAll(torch.autograd.Function):
         return exchange(), None, extra_grad, *(None,) * 6
 
 
-def column_runs(gather: torch.Tensor, widths: list[int]) -> list[Run] | None:
-    """A gather over blocks of ``widths`` side by side, as runs of consecutive columns of one
-    block; None unless it takes every column exactly once (then no zero column or sum is needed)."""
+def placement(gathers: list[torch.Tensor], widths: list[int]) -> Placement:
+    """The placement of blocks of ``widths`` side by side that the gathers describe (the
+    module's output is the sum of the gathers; an index past the blocks is a zero column).
+    Every block column serves exactly one output column."""
     total = sum(widths)
-    if gather.numel() != total or not torch.equal(gather.sort().values, torch.arange(total)):
-        return None
-    starts = [sum(widths[:i]) for i in range(len(widths))]
-    runs: list[list[int]] = []
-    for g in gather.tolist():
-        block = bisect.bisect_right(starts, g) - 1  # the last block starting at or before g: never an empty one
-        column = g - starts[block]
-        if runs and runs[-1][0] == block and runs[-1][1] + runs[-1][2] == column:
-            runs[-1][2] += 1
-        else:
-            runs.append([block, column, 1])
-    return [(b, c, w) for b, c, w in runs]
-
-
-def block_columns(runs: list[Run] | None, widths: list[int]) -> list[list[tuple[int, int]]]:
-    """Per block, the (output column, width) runs its columns land in, in the block's order:
-    as ``runs`` place them, or (None) the blocks side by side."""
-    if runs is None:
-        starts = [sum(widths[:i]) for i in range(len(widths))]
-        return [[(start, width)] for start, width in zip(starts, widths)]
-    placed: list[list[tuple[int, int, int]]] = [[] for _ in widths]
-    column = 0
-    for block, first, width in runs:
-        placed[block].append((first, column, width))
-        column += width
-    return [[(at, width) for _, at, width in sorted(block)] for block in placed]
+    target = [-1] * total  # per block column, its output column
+    for gather in gathers:
+        for out_column, column in enumerate(gather.tolist()):
+            if column < total:
+                if target[column] != -1:
+                    raise ValueError(f"block column {column} feeds output columns {target[column]} and {out_column}")
+                target[column] = out_column
+    if -1 in target:
+        raise ValueError(f"block column {target.index(-1)} feeds no output column")
+    columns: list[Runs] = []
+    start = 0
+    for width in widths:
+        runs: list[list[int]] = []
+        for out_column in target[start:start + width]:
+            if runs and runs[-1][0] + runs[-1][1] == out_column:
+                runs[-1][1] += 1
+            else:
+                runs.append([out_column, 1])
+        columns.append([(c, w) for c, w in runs])
+        start += width
+    return Placement(columns, gathers[0].numel(), summed=len(gathers) > 1)
 
 
 class ByteCounter:
@@ -121,10 +143,7 @@ class OutputDist:
         self.gathers, self.widths, self.group = gathers, widths, group
         self.replicated_width = replicated_width
         self._device_gathers: dict[torch.device, list[torch.Tensor | None]] = {}
-        # Columns that have one source each (nothing row-sharded): placed by the exchange itself.
-        blocks = [*widths, replicated_width]
-        self._runs = column_runs(gathers[0], blocks) if len(gathers) == 1 else None
-        self._columns = block_columns(self._runs, blocks)
+        self._placement = placement(gathers, [*widths, replicated_width])
         self._anchor: dict[torch.device, torch.Tensor] = {}
         self.sent = ByteCounter(rank)
         """Bytes of pooled rows (forward) and their gradients (backward) sent to other ranks."""
@@ -139,17 +158,15 @@ class OutputDist:
         if len(batch_sizes) == 1:  # one rank: its rows are already home
             joined = pooled if replicated is None else torch.cat([pooled, replicated], dim=1)
             return self._gather(joined)
-        args = (batch_sizes, batch_sizes[rank], self._columns, self.group, self.sent)
+        args = (batch_sizes, batch_sizes[rank], self._placement, self.group, self.sent)
         if torch.is_grad_enabled():
             args = (*args, deferred)
             # Makes the exchange part of every rank's graph even where the local rows need
             # no gradient (a rank without shards), so every rank joins its backward.
             if device not in self._anchor:
                 self._anchor[device] = torch.zeros(0, device=device, requires_grad=True)
-            joined = _RowBlocksAllToAll.apply(pooled, self._anchor[device], replicated, *args)
-        else:
-            joined = _RowBlocksAllToAll.forward(_NoCtx(), pooled, None, replicated, *args)
-        return joined if self._runs is not None else self._gather(joined)
+            return _RowBlocksAllToAll.apply(pooled, self._anchor[device], replicated, *args)
+        return _RowBlocksAllToAll.forward(_NoCtx(), pooled, None, replicated, *args)
 
     def _gather(self, joined: torch.Tensor) -> torch.Tensor:
         """The module's columns from the blocks side by side, summing row-sharded sources."""

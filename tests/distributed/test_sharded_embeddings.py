@@ -17,6 +17,7 @@ from torch.testing import assert_close
 import sparsecore
 from sparsecore import optim
 from sparsecore.distributed import ShardingPlan, TableSharding, shard
+from sparsecore.distributed.output_dist import placement
 from tests.distributed.harness import assert_all_ok, run_ranks
 
 STEPS = 3
@@ -297,3 +298,18 @@ def test_deferred_updates_and_exchanges_train_as_unsharded(kind):
         for step, out in enumerate(result["outputs"]):
             assert_close(out, expected[step][start:start + 3 + rank], msg=lambda m: f"rank {rank} step {step}: {m}")
         assert_shards_match(result["shards"], ref)
+
+
+def test_output_placement_adds_row_shards_into_their_columns():
+    # Blocks of 2 and 3 columns: a row-sharded feature A (2 columns) has a partial sum in
+    # both, a table-wise feature B (1 column) only in the second; index 5 is the zero column.
+    first, second = torch.tensor([0, 1, 4]), torch.tensor([2, 3, 5])
+    p = placement([first, second], [2, 3])
+    assert (p.columns, p.width, p.summed) == ([[(0, 2)], [(0, 3)]], 3, True)
+    # One source a column, in another order than the blocks': placed, not summed.
+    p = placement([torch.tensor([3, 4, 0, 1, 2])], [2, 3])
+    assert (p.columns, p.summed) == ([[(2, 2)], [(4, 1), (0, 2)]], False)
+    with pytest.raises(ValueError, match="block column 0 feeds output columns 0 and 1"):
+        placement([torch.tensor([0, 0, 4]), second], [2, 3])
+    with pytest.raises(ValueError, match="block column 1 feeds no output column"):
+        placement([torch.tensor([0, 2, 4])], [2, 3])
