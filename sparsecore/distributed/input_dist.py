@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from sparsecore.distributed.layout import Route, ShardLayout
+from sparsecore.distributed.layout import RowBuckets, ShardLayout
 from sparsecore.errors import InputError
 
 
@@ -34,23 +34,26 @@ def _bag_gains(lengths: torch.Tensor, weights: torch.Tensor | None, combiner: st
     return w * scale[bag]
 
 
-def _splits(routes: list[Route], values: torch.Tensor, lengths: torch.Tensor,
-            gains: torch.Tensor | None) -> list[tuple]:
-    """(lengths, ids, weights) of one feature for each of its routes. A row-sharded feature's
-    owners, bags and per-shard lengths are worked out once for all its shards."""
-    rows = routes[0].rows
-    if rows is None or rows.shards == 1:  # one shard owns every id, under its own number
-        return [(lengths, values, gains)] * len(routes)
-    owner = rows.shard_of(values)
-    local = rows.local_ids(values)
+def _row_splits(rows: RowBuckets, features: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+                ) -> list[list[tuple]]:
+    """Per feature (values, lengths, gains), per shard of the mod sharding ``rows``: its
+    (lengths, local ids, gains). The features (of one batch size) go through in one pass:
+    owners, local ids and per-shard lengths of all their ids at once."""
+    values = torch.cat([v for v, _, _ in features])
+    lengths = torch.stack([l for _, l, _ in features])  # (features, bags)
+    gains = None if features[0][2] is None else torch.cat([g for _, _, g in features])
+    owner, local = rows.shard_of(values), rows.local_ids(values)
     bags = lengths.numel()
-    bag = torch.repeat_interleave(torch.arange(bags), lengths)
-    shards = max(r.shard for r in routes) + 1
-    kept_lengths = torch.bincount(owner * bags + bag, minlength=shards * bags).view(shards, bags)
-    out = []
-    for route in routes:
-        keep = owner == route.shard
-        out.append((kept_lengths[route.shard], local[keep], None if gains is None else gains[keep]))
+    bag = torch.repeat_interleave(torch.arange(bags), lengths.reshape(-1))
+    kept_lengths = torch.bincount(owner * bags + bag, minlength=rows.shards * bags).view(rows.shards, *lengths.shape)
+    out: list[list[tuple]] = [[] for _ in features]
+    for shard in range(rows.shards):
+        keep = owner == shard  # ids stay in order: feature by feature, bag by bag
+        counts = kept_lengths[shard].sum(1).tolist()
+        ids = local[keep].split(counts)
+        kept_gains = gains[keep].split(counts) if gains is not None else [None] * len(features)
+        for f in range(len(features)):
+            out[f].append((kept_lengths[shard, f], ids[f], kept_gains[f]))
     return out
 
 
@@ -88,6 +91,7 @@ class InputDist:
             raise InputError(f"the batch's features do not match the tables: unknown {unknown}, missing {missing}")
         weighted = kjt.weights_or_none() is not None or self.gains_needed
         per_rank: list[dict[str, tuple]] = [{} for _ in range(self.world)]
+        by_rows: dict[RowBuckets, list[tuple[str, tuple]]] = {}  # features split over several shards
         for feature, jagged in kjt.to_dict().items():
             if feature in self.replicated:
                 continue
@@ -98,9 +102,17 @@ class InputDist:
             if weighted:
                 combiner = self.combiners[feature] if feature in self.row_sharded else "sum"
                 gains = _bag_gains(lengths, weights, combiner, values.numel())
-            routes = self.routes[feature]
-            for route, split in zip(routes, _splits(routes, values, lengths, gains)):
-                per_rank[route.rank][route.local_feature] = split
+            rows = self.routes[feature][0].rows
+            if rows is not None and rows.shards > 1:
+                by_rows.setdefault(rows, []).append((feature, (values, lengths, gains)))
+                continue
+            # Whole bags (a one-shard table's ids are already its local ids): to every route.
+            for route in self.routes[feature]:
+                per_rank[route.rank][route.local_feature] = (lengths, values, gains)
+        for rows, features in by_rows.items():
+            for (feature, _), per_shard in zip(features, _row_splits(rows, [f for _, f in features])):
+                for route in self.routes[feature]:
+                    per_rank[route.rank][route.local_feature] = per_shard[route.shard]
         return per_rank
 
     def _rename(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
