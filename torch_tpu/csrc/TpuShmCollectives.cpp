@@ -395,8 +395,8 @@ class Blocks {
     TORCH_CHECK(static_cast<int>(columns.size()) == world, "tpu_dist all_to_all_columns: ", which,
                 " column runs need one list per rank (", world, "), got ", columns.size());
     const int64_t element = t.element_size();
+    const int64_t rows = t.size(0);
     row_stride_ = t.size(1) * element;
-    rows_ = t.size(0);
     for (const auto& runs : columns) {
       std::vector<ColumnRun> in_bytes;
       int64_t width = 0;
@@ -409,7 +409,7 @@ class Blocks {
       }
       runs_.push_back(std::move(in_bytes));
       row_bytes_.push_back(width);
-      bytes_.push_back(width * rows_);
+      bytes_.push_back(width * rows);
     }
   }
 
@@ -462,7 +462,6 @@ class Blocks {
   std::vector<std::vector<ColumnRun>> runs_;  // in bytes
   std::vector<int64_t> row_bytes_;
   int64_t row_stride_ = 0;
-  int64_t rows_ = 0;
 };
 
 std::unique_ptr<Blocks> blocks_of(const at::Tensor& t, c10::IntArrayRef splits,
