@@ -524,9 +524,7 @@ def run_rank(rank: int, world: int, port: int, settings: Settings) -> None:
         best = {framework: min((side_name(r) for r in candidates if r["framework"] == framework),
                                key=lambda name: min(times[name])) for framework in ("ours", "torchrec")}
         paired = {"world": world, "ours": best["ours"], "torchrec": best["torchrec"],
-                  "samples_per_round": settings.steps * settings.batch,
-                  "ours_round_s": times[best["ours"]], "torchrec_round_s": times[best["torchrec"]],
-                  "candidates_round_s": times}
+                  "samples_per_round": settings.steps * settings.batch, "round_s": times}
         if rank == 0:
             print(paired_line(paired), flush=True)
     dist.barrier(group=anchor)
@@ -549,18 +547,18 @@ def progress_line(row: dict[str, Any]) -> str:
 
 def paired_ratios(paired: dict[str, Any]) -> tuple[float, list[float]]:
     """Ours over TorchRec in samples/s: best round against best round, and round by round."""
-    ours, theirs = paired["ours_round_s"], paired["torchrec_round_s"]
+    ours, theirs = paired["round_s"][paired["ours"]], paired["round_s"][paired["torchrec"]]
     return min(theirs) / min(ours), [t / o for o, t in zip(ours, theirs)]
 
 
 def paired_line(paired: dict[str, Any]) -> str:
     best, per_round = paired_ratios(paired)
-    n = paired["samples_per_round"]
-    others = ", ".join(f"{name} {n / min(t):,.0f}" for name, t in paired.get("candidates_round_s", {}).items()
+    n, rounds = paired["samples_per_round"], paired["round_s"]
+    others = ", ".join(f"{name} {n / min(t):,.0f}" for name, t in rounds.items()
                        if name not in (paired["ours"], paired["torchrec"]))
     line = (f"world {paired['world']}, paired (built side by side, {len(per_round)} interleaved rounds each): "
-            f"{paired['ours']} {n / min(paired['ours_round_s']):,.0f} samples/s = {best:.2f}x "
-            f"{paired['torchrec']} {n / min(paired['torchrec_round_s']):,.0f} (round by round "
+            f"{paired['ours']} {n / min(rounds[paired['ours']]):,.0f} samples/s = {best:.2f}x "
+            f"{paired['torchrec']} {n / min(rounds[paired['torchrec']]):,.0f} (round by round "
             f"{min(per_round):.2f}-{max(per_round):.2f}x, median {statistics.median(per_round):.2f}x)"
             + (f"; the other sides of those rounds: {others}" if others else ""))
     if paired["world"] == TARGET_WORLD:

@@ -30,11 +30,13 @@ Runs = list[tuple[int, int]]
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where the blocks of the exchange (each rank's, then the replicated tables' own)
-    land in the module's ``width`` output columns: ``columns[b]``, block b's runs. With
+    """Where the blocks of the exchange (each rank's, then the replicated tables' own), of
+    ``block_widths`` columns, land in the module's ``width`` output columns: ``columns[b]``,
+    block b's runs. With
     row-sharded tables a column has a source per shard (``summed``): the blocks add up."""
 
     columns: list[Runs]
+    block_widths: list[int]
     width: int
     summed: bool
 
@@ -51,33 +53,30 @@ class _RowBlocksAllToAll(torch.autograd.Function):
         world, columns = len(send_rows), placement.columns
         ctx.shape, ctx.send_rows, ctx.recv_rows, ctx.columns, ctx.group, ctx.counter = (
             x.shape, send_rows, recv_rows, columns, group, counter)
-        ctx.has_extra, ctx.deferred = extra is not None, deferred
+        ctx.block_widths, ctx.has_extra, ctx.deferred = placement.block_widths, extra is not None, deferred
         counter.add([r * x.shape[1] * x.element_size() for r in send_rows])
+        x = x.contiguous()
         if not placement.summed:  # one source a column: the exchange puts every block in place
             out = x.new_empty(recv_rows, placement.width)
-            all_to_all_columns(out, x.contiguous(), input_split_sizes=send_rows, output_columns=columns[:world],
-                               group=group)
+            all_to_all_columns(out, x, input_split_sizes=send_rows, output_columns=columns[:world], group=group)
             if extra is not None:
                 scatter_columns(out, extra, columns[world])
             return out
-        widths = [sum(w for _, w in runs) for runs in columns[:world]]
+        widths = placement.block_widths[:world]
         joined = x.new_empty(recv_rows, sum(widths))  # the blocks side by side
         starts = [sum(widths[:i]) for i in range(world)]
-        all_to_all_columns(joined, x.contiguous(), input_split_sizes=send_rows,
+        all_to_all_columns(joined, x, input_split_sizes=send_rows,
                            output_columns=[[(at, w)] for at, w in zip(starts, widths)], group=group)
         out = x.new_zeros(recv_rows, placement.width)
         blocks = [*joined.split(widths, dim=1), *([] if extra is None else [extra])]
         for block, runs in zip(blocks, columns):
-            at = 0
-            for column, width in runs:
-                out[:, column:column + width] += block[:, at:at + width]
-                at += width
+            scatter_columns(out, block, runs, accumulate=True)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         grad, world = grad.contiguous(), len(ctx.send_rows)
-        ctx.counter.add([ctx.recv_rows * sum(w for _, w in runs) * grad.element_size() for runs in ctx.columns[:world]])
+        ctx.counter.add([ctx.recv_rows * w * grad.element_size() for w in ctx.block_widths[:world]])
         extra_grad = gather_columns(grad, ctx.columns[world]) if ctx.has_extra else None
         shape, send_rows, columns, group = ctx.shape, ctx.send_rows, ctx.columns[:world], ctx.group
 
@@ -122,7 +121,7 @@ def placement(gathers: list[torch.Tensor], widths: list[int]) -> Placement:
                 runs.append([out_column, 1])
         columns.append([(c, w) for c, w in runs])
         start += width
-    return Placement(columns, gathers[0].numel(), summed=len(gathers) > 1)
+    return Placement(columns, list(widths), gathers[0].numel(), summed=len(gathers) > 1)
 
 
 class ByteCounter:

@@ -469,7 +469,6 @@ std::unique_ptr<Blocks> blocks_of(const at::Tensor& t, c10::IntArrayRef splits,
   if (columns.empty()) return std::make_unique<Blocks>(t, split_bytes(t, splits, world, which));
   TORCH_CHECK(splits.empty(), "tpu_dist all_to_all_columns: the ", which,
               " takes column runs or split sizes, not both");
-  TORCH_CHECK(t.is_contiguous(), "tpu_dist all_to_all_columns: the ", which, " must be contiguous");
   return std::make_unique<Blocks>(t, columns, world, which);
 }
 

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from torch_tpu.distributed.shared_memory import channel_name, group_transport
+
 ColumnRuns = Sequence[Sequence[tuple[int, int]]]
 """Per rank of the group, the (first column, width) runs forming its block, in block order."""
 
@@ -40,11 +42,10 @@ def all_to_all_columns(
         if columns is not None and len(columns) != world:
             raise ValueError(f"all_to_all_columns: {name}_columns needs one list of runs per rank ({world}), "
                              f"got {len(columns)}")
-    name = (group if group is not None else dist.group.WORLD).group_name
-    if torch.ops.torch_tpu._has_shared_memory(name):
+    if group_transport(group) == "shared_memory":
         torch.ops.torch_tpu._all_to_all_columns(
             output, input, list(output_split_sizes or ()), list(input_split_sizes or ()),
-            _triples(output_columns), _triples(input_columns), name)
+            _triples(output_columns), _triples(input_columns), channel_name(group))
         return
     if input_columns is not None:
         blocks = [gather_columns(input, runs) for runs in input_columns]
@@ -73,9 +74,13 @@ def gather_columns(t: torch.Tensor, runs: Sequence[tuple[int, int]]) -> torch.Te
     return torch.cat([t[:, c:c + w] for c, w in runs], dim=1) if runs else t.new_empty(t.shape[0], 0)
 
 
-def scatter_columns(t: torch.Tensor, block: torch.Tensor, runs: Sequence[tuple[int, int]]) -> None:
-    """``t``'s runs' columns = the block's, in order."""
+def scatter_columns(t: torch.Tensor, block: torch.Tensor, runs: Sequence[tuple[int, int]],
+                    accumulate: bool = False) -> None:
+    """``t``'s runs' columns = (or, accumulating, += ) the block's, in order."""
     at = 0
     for c, w in runs:
-        t[:, c:c + w].copy_(block[:, at:at + w])
+        if accumulate:
+            t[:, c:c + w] += block[:, at:at + w]
+        else:
+            t[:, c:c + w].copy_(block[:, at:at + w])
         at += w

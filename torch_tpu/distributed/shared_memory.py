@@ -98,5 +98,9 @@ def group_transport(group: dist.ProcessGroup | None = None) -> str:
     all_reduce, broadcast, all_gather_into_tensor, reduce_scatter_tensor and
     all_to_all_single on tpu and cpu tensors; the rest always go through gloo.
     """
-    name = (group if group is not None else dist.group.WORLD).group_name
-    return "shared_memory" if torch.ops.torch_tpu._has_shared_memory(name) else "gloo"
+    return "shared_memory" if torch.ops.torch_tpu._has_shared_memory(channel_name(group)) else "gloo"
+
+
+def channel_name(group: dist.ProcessGroup | None = None) -> str:
+    """The name the group's channel is kept under (the default group when None)."""
+    return (group if group is not None else dist.group.WORLD).group_name
