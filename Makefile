@@ -20,8 +20,9 @@ $(VENV)/.deps: requirements-dev.txt requirements-recsys.txt
 	$(PY) -c "import torchrec, fbgemm_gpu"
 	touch $@
 
+# The editable install takes the metadata and entry points; the next rule builds the extensions.
 $(VENV)/.installed: $(VENV)/.deps pyproject.toml setup.py
-	$(BUILD_ENV) $(PIP) install -q --no-build-isolation --no-deps -e .
+	TORCH_TPU_SKIP_EXTENSIONS=1 $(BUILD_ENV) $(PIP) install -q --no-build-isolation --no-deps -e .
 	touch $@
 
 torch_tpu/_core.so: $(VENV)/.installed $(CORE_SOURCES)

@@ -1,6 +1,8 @@
 """sparsecore.planner: storage arithmetic, the sharding types it picks, constraints, infeasible input, the CLI."""
 
+import contextlib
 import dataclasses
+import io
 import json
 import subprocess
 import sys
@@ -10,6 +12,7 @@ import numpy as np
 import pytest
 
 from sparsecore.distributed import ShardingPlan
+from sparsecore.planner import __main__ as planner_cli
 from sparsecore.planner import (
     Constraint,
     PlanningError,
@@ -127,15 +130,28 @@ def test_the_three_formats_read_the_same_tables(tmp_path):
         read_tables(tmp_path / "short.csv")
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
+def run_module(*args: str) -> subprocess.CompletedProcess:
+    """The CLI as users start it: ``python -m sparsecore.planner`` in a fresh interpreter."""
     return subprocess.run([sys.executable, "-m", "sparsecore.planner", *args], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """The CLI's ``main`` in this process, with what it printed and its exit status (argparse's
+    own errors included): the same code as ``run_module`` without a 4-second interpreter start."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = planner_cli.main(list(args))
+        except SystemExit as exit_:
+            code = exit_.code
+    return subprocess.CompletedProcess(["sparsecore-plan", *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.mark.parametrize("fmt", ["json"] + [pytest.param(f, marks=pytest.mark.slow) for f in ("csv", "yaml")])
 def test_cli_end_to_end(fmt, tmp_path):
     paths = write_inputs(tmp_path)
-    out = cli("--tables", str(paths[fmt]), "--topology", "v5p:4", "--batch-size", "4096", "--out",
+    out = run_module("--tables", str(paths[fmt]), "--topology", "v5p:4", "--batch-size", "4096", "--out",
               str(tmp_path / "plan.json"))
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
