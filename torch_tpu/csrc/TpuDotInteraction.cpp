@@ -4,10 +4,11 @@
 // per sample: TorchRec's InteractionArch, which concatenates x, takes the
 // full Gram matrix x x^T by a batched matmul, gathers its upper triangle and
 // concatenates again - four passes over memory around matmuls of 27x64
-// matrices. Here each sample's x is packed once, in cache (bf16-rounded at
-// medium, as the MXU sees it), and only the pairs' dot products are computed,
-// straight into the output row: 3x4 blocks of pairs, each dot as 8-lane
-// partial sums over the dim added across lanes at the end. The backward
+// matrices. Here each sample's rows are read in place (or packed once, in
+// cache, bf16-rounded at medium as the MXU sees them), and only the pairs' dot
+// products are computed, straight into the output row: 2x4 blocks of pairs,
+// each dot as 8-lane partial sums over the dim added across lanes at the end,
+// eight at a time. The backward
 // builds the symmetric gradient (g + g^T) in cache and multiplies it by the
 // packed x on the small-matrix kernel (TpuSmallBmm): the unfused form's
 // operands, kernel and summation order, so its bits too where that form runs
@@ -76,65 +77,59 @@ void pack_x(const at::Tensor& dense, const at::Tensor& sparse, int64_t e, float*
                    sparse.stride(2), x + ld, ld, round);
 }
 
-// Dot products of rows [i0, i0 + R) with rows [j0, j0 + C) of x (row-major,
-// ld a multiple of 8 and zero-padded; depth = ld) into dots (R x C): 8-lane
-// partial sums over k in registers, added across lanes at the end. R x C = 12
-// accumulators hide the fused multiply-add's latency; the x rows are read in
-// place, with no transposed copy.
-template <int R, int C>
-__attribute__((target("avx2,fma"))) void dot_block(const float* x, int64_t ld, int64_t i0, int64_t j0,
-                                                   float* dots) {
-  __m256 acc[R][C];
-#pragma GCC unroll 3
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < ld; k += small_gemm::kLanes) {
-    __m256 a[R];
-#pragma GCC unroll 3
-    for (int r = 0; r < R; ++r) a[r] = _mm256_loadu_ps(x + (i0 + r) * ld + k);
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) {
-      const __m256 b = _mm256_loadu_ps(x + (j0 + c) * ld + k);
-#pragma GCC unroll 3
-      for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(a[r], b, acc[r][c]);
-    }
+// The dot products of rows i0, i0 + 1 with rows j0 .. j0 + 3 (rows[r]: row r of
+// x, `depth` floats, a multiple of 8): 8-lane partial sums over k in registers -
+// two rows of x loaded per step and four others, eight fused multiply-adds -
+// then all eight sums reduced across lanes at once (pairwise adds, a lane
+// transpose), returned as [(i0, j0 .. j0 + 3), (i0 + 1, j0 .. j0 + 3)].
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 dots_2x4(const float* const* rows, int64_t i0, int64_t j0,
+                                                    int64_t depth) {
+  const float *a0 = rows[i0], *a1 = rows[i0 + 1];
+  const float *b0 = rows[j0], *b1 = rows[j0 + 1], *b2 = rows[j0 + 2], *b3 = rows[j0 + 3];
+  __m256 s00 = _mm256_setzero_ps(), s01 = s00, s02 = s00, s03 = s00, s10 = s00, s11 = s00, s12 = s00, s13 = s00;
+  for (int64_t k = 0; k < depth; k += small_gemm::kLanes) {
+    const __m256 x0 = _mm256_loadu_ps(a0 + k), x1 = _mm256_loadu_ps(a1 + k);
+    __m256 y = _mm256_loadu_ps(b0 + k);
+    s00 = _mm256_fmadd_ps(x0, y, s00);
+    s10 = _mm256_fmadd_ps(x1, y, s10);
+    y = _mm256_loadu_ps(b1 + k);
+    s01 = _mm256_fmadd_ps(x0, y, s01);
+    s11 = _mm256_fmadd_ps(x1, y, s11);
+    y = _mm256_loadu_ps(b2 + k);
+    s02 = _mm256_fmadd_ps(x0, y, s02);
+    s12 = _mm256_fmadd_ps(x1, y, s12);
+    y = _mm256_loadu_ps(b3 + k);
+    s03 = _mm256_fmadd_ps(x0, y, s03);
+    s13 = _mm256_fmadd_ps(x1, y, s13);
   }
-#pragma GCC unroll 3
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) {
-      const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]), _mm256_extractf128_ps(acc[r][c], 1));
-      const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-      dots[r * C + c] = _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
-    }
-  }
+  // hadd(hadd(s0, s1), hadd(s2, s3)) = [s0..s3 over lanes 0-3 | s0..s3 over lanes 4-7].
+  const __m256 r0 = _mm256_hadd_ps(_mm256_hadd_ps(s00, s01), _mm256_hadd_ps(s02, s03));
+  const __m256 r1 = _mm256_hadd_ps(_mm256_hadd_ps(s10, s11), _mm256_hadd_ps(s12, s13));
+  return _mm256_add_ps(_mm256_permute2f128_ps(r0, r1, 0x20), _mm256_permute2f128_ps(r0, r1, 0x31));
 }
 
-constexpr int kBlockRows = 3;
-constexpr int kBlockCols = 4;
-using DotBlockFn = void (*)(const float*, int64_t, int64_t, int64_t, float*);
-// kDotBlocks[R - 1][C - 1] = dot_block<R, C>: blocks at the triangle's edges are smaller.
-constexpr DotBlockFn kDotBlocks[kBlockRows][kBlockCols] = {
-    {dot_block<1, 1>, dot_block<1, 2>, dot_block<1, 3>, dot_block<1, 4>},
-    {dot_block<2, 1>, dot_block<2, 2>, dot_block<2, 3>, dot_block<2, 4>},
-    {dot_block<3, 1>, dot_block<3, 2>, dot_block<3, 3>, dot_block<3, 4>},
-};
-
-// The strict upper triangle of x x^T (n rows) into out, pairs row by row.
-void upper_dots(const float* x, int64_t n, int64_t ld, float* out) {
-  float dots[kBlockRows * kBlockCols];
-  for (int64_t i0 = 0; i0 + 1 < n; i0 += kBlockRows) {
-    const int64_t rows = std::min<int64_t>(kBlockRows, n - 1 - i0);
-    for (int64_t j0 = i0 + 1; j0 < n; j0 += kBlockCols) {
-      const int64_t cols = std::min<int64_t>(kBlockCols, n - j0);
-      kDotBlocks[rows - 1][cols - 1](x, ld, i0, j0, dots);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t i = i0 + r;
-        const int64_t row_start = i * (2 * n - i - 1) / 2 - i - 1;  // out index of pair (i, j) is row_start + j
-        for (int64_t c = 0; c < cols; ++c) {
-          if (j0 + c > i) out[row_start + j0 + c] = dots[r * cols + c];  // dot_block<R, C> wrote R x C
-        }
+// The strict upper triangle of x x^T (n rows, rows[n .. n + 3] zero rows for the
+// blocks that reach past the last one) into out, pairs row by row.
+__attribute__((target("avx2,fma"))) void upper_dots(const float* const* rows, int64_t n, int64_t depth,
+                                                    float* out) {
+  // out index of pair (i, j) is start(i) + j.
+  auto start = [n](int64_t i) { return i * (2 * n - i - 1) / 2 - i - 1; };
+  alignas(32) float dots[8];
+  for (int64_t i0 = 0; i0 + 1 < n; i0 += 2) {
+    const int64_t i1 = i0 + 1;
+    float* out0 = out + start(i0);
+    float* out1 = out + start(i1);  // row n - 1 has no pairs: then nothing is written through it
+    for (int64_t j0 = i0 + 1; j0 < n; j0 += 4) {
+      const __m256 d = dots_2x4(rows, i0, j0, depth);
+      if (j0 + 4 <= n && j0 > i1) {  // the common case: all eight are pairs
+        _mm_storeu_ps(out0 + j0, _mm256_castps256_ps128(d));
+        _mm_storeu_ps(out1 + j0, _mm256_extractf128_ps(d, 1));
+        continue;
+      }
+      _mm256_store_ps(dots, d);
+      for (int64_t c = 0; c < 4 && j0 + c < n; ++c) {
+        out0[j0 + c] = dots[c];
+        if (j0 + c > i1) out1[j0 + c] = dots[4 + c];
       }
     }
   }
@@ -147,14 +142,27 @@ at::Tensor fused_forward(const at::Tensor& dense, const at::Tensor& sparse, bool
   float* po = out.mutable_data_ptr<float>();
   const float* pd = dense.const_data_ptr<float>();
   const int64_t ld = small_gemm::padded(dim);
+  // Rows read in place where they are dense vectors of whole 8-float steps and
+  // are not rounded; else packed (padded with zeros, rounded at medium).
+  const bool in_place = !round && ld == dim && dense.stride(1) == 1 && sparse.stride(2) == 1;
   at::parallel_for(0, batch, small_gemm::grain(n * n * dim), [&](int64_t begin, int64_t end) {
-    std::vector<float> x(n * ld);
+    std::vector<float> x(in_place ? 0 : n * ld);
+    const std::vector<float> zeros(ld * 4, 0.0f);
+    std::vector<const float*> rows(n + 4);
+    for (int64_t r = 0; r < 4; ++r) rows[n + r] = zeros.data() + r * ld;
     for (int64_t e = begin; e < end; ++e) {
-      pack_x(dense, sparse, e, x.data(), ld, round);
+      if (in_place) {
+        rows[0] = pd + e * dense.stride(0);
+        const float* ps = sparse.const_data_ptr<float>() + e * sparse.stride(0);
+        for (int64_t r = 1; r < n; ++r) rows[r] = ps + (r - 1) * sparse.stride(1);
+      } else {
+        pack_x(dense, sparse, e, x.data(), ld, round);
+        for (int64_t r = 0; r < n; ++r) rows[r] = x.data() + r * ld;
+      }
       float* row = po + e * width;
       // The dense part as given: the MXU rounds operands, not the tensors passed through.
       small_gemm::pack(pd + e * dense.stride(0), 1, dim, dim, dense.stride(1), row, dim, false);
-      upper_dots(x.data(), n, ld, row + dim);
+      upper_dots(rows.data(), n, ld, row + dim);
     }
   });
   return out;
