@@ -152,7 +152,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 def test_cli_end_to_end(fmt, tmp_path):
     paths = write_inputs(tmp_path)
     out = run_module("--tables", str(paths[fmt]), "--topology", "v5p:4", "--batch-size", "4096", "--out",
-              str(tmp_path / "plan.json"))
+                     str(tmp_path / "plan.json"))
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].split()[:3] == ["device", "HBM", "GiB"] and len([l for l in lines if l[:1].isdigit()]) == 4
