@@ -151,23 +151,28 @@ def test_shared_memory_and_gloo_agree():
     assert torch.equal(results[0][1][0], results[1][1][0])
 
 
-def cpu_on_rank_0(rank: int, world: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-    """The step's collectives with every tensor on tpu, then with rank 0's on cpu; and an
-    all_reduce on a plain gloo group of the same processes (its CPU kernel untouched)."""
+def cpu_on_rank_0(rank: int, world: int) -> tuple[list[torch.Tensor], ...]:
+    """The step's collectives with every tensor on tpu, then with rank 0's on cpu - as they are
+    and under inference mode (its tensors skip the autograd keys); and an all_reduce on a plain
+    gloo group of the same processes."""
     on_tpu = bits_of_a_step(rank, world, None)
-    mixed = bits_of_a_step(rank, world, None, on=tpu if rank else (lambda t: t))
+    on = tpu if rank else (lambda t: t)
+    mixed = bits_of_a_step(rank, world, None, on=on)
+    with torch.inference_mode():
+        mixed_inference = bits_of_a_step(rank, world, None, on=on)
     x = torch.full((3,), float(rank + 1))
     dist.all_reduce(x, group=dist.new_group(backend="gloo"))
-    return on_tpu, mixed, x
+    return on_tpu, mixed, mixed_inference, x
 
 
 def test_a_rank_may_pass_cpu_tensors_where_another_passes_tpu_tensors():
     # Gloo takes both devices, so this is a valid call; the ranks must pick one transport.
     results = assert_all_ok(run_ranks(cpu_on_rank_0, 2, env=SMALL_SLOT, group_timeout_s=20, timeout_s=90))
     half_sum = sum(rank_input(r, 3000, torch.float32) * 0.5 for r in range(2))
-    for on_tpu, mixed, gloo_sum in results:
-        for a, b in zip(on_tpu, mixed):
+    for on_tpu, mixed, mixed_inference, gloo_sum in results:
+        for a, b, c in zip(on_tpu, mixed, mixed_inference):
             assert torch.equal(a, b)  # the same transport, the same order of sums: the same bits
+            assert torch.equal(a, c)
         assert_close(mixed[-1], half_sum, rtol=0, atol=0)  # PREMUL_SUM(0.5), lowered alike on both devices
         assert_close(gloo_sum, torch.full((3,), 3.0), rtol=0, atol=0)
 

@@ -23,10 +23,11 @@
 // caller's tensors: gloo takes cpu and tpu tensors alike, so a rank passing
 // cpu tensors while another passes tpu ones is a valid call, and it would
 // hang if one rank went to gloo and the other to the channel. So the carried
-// collectives on CPU tensors of a group with a channel go through it too,
-// from a kernel on AutogradCPU (the CPU kernels stay torch's, reached below
-// it). Inference-mode tensors skip autograd keys, and with them this kernel:
-// their CPU collectives keep to gloo.
+// collectives on CPU tensors of a group with a channel go through it too.
+// Their kernel is on the CPU key itself - inference-mode tensors skip the
+// autograd keys, so a kernel there would miss them - and runs everything the
+// channel does not take as torch's CPU kernel does: the group's CPU backend
+// with the call's options.
 //
 // Registered on request (torch.ops.torch_tpu._register_collectives, when a
 // tpu_dist group is created), not at load: torch has PrivateUse1 kernels for
@@ -251,7 +252,7 @@ c10::intrusive_ptr<c10d::Work> run_on_channel(const c10::FunctionSchema& schema,
 
 // Replaces the op's arguments on the stack by its returns: the caller's
 // tensors (the first argument), if the op returns them, and the work.
-void push_channel_returns(const c10::FunctionSchema& schema, torch::jit::Stack* stack, c10::IValue tensors,
+void push_returns(const c10::FunctionSchema& schema, torch::jit::Stack* stack, c10::IValue tensors,
                           c10::intrusive_ptr<c10d::Work> work) {
   torch::jit::drop(*stack, schema.arguments().size());
   if (schema.returns().size() == 2) stack->push_back(std::move(tensors));
@@ -267,7 +268,7 @@ void collective_on_host(const c10::OperatorHandle& op, c10::DispatchKeySet, torc
   lower_premul_sum(schema, args);
   if (auto channel = carrying_channel(schema, args)) {
     if (auto work = run_on_channel(schema, args, *channel)) {
-      push_channel_returns(schema, stack, views.to_tpu(args[0]), std::move(work));
+      push_returns(schema, stack, views.to_tpu(args[0]), std::move(work));
       return;
     }
   }
@@ -288,25 +289,55 @@ bool all_dense_cpu(const torch::jit::Stack& args) {
   return dense;
 }
 
-// A carried collective on CPU tensors (AutogradCPU): over the group's channel
-// if it has one, as the same call on tpu tensors would go; else on to torch's
-// CPU kernel (gloo), as before. Tensors the channel cannot take as they are
-// (strided views, sparse) go to gloo, which decides about them.
-void collective_on_cpu(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+// What torch's CPU kernel of a carried collective does (c10d's Ops.cpp): the
+// call on the group's CPU backend with the call's options; its work.
+c10::intrusive_ptr<c10d::Work> run_on_cpu_backend(const c10::FunctionSchema& schema, const torch::jit::Stack& args) {
+  auto arg = [&](const char* name) -> const c10::IValue& { return args[*schema.argumentIndexWithName(name)]; };
+  const auto backend = arg("process_group").toCustomClass<c10d::ProcessGroup>()->getBackend(c10::DeviceType::CPU);
+  const std::chrono::milliseconds timeout(arg("timeout").toInt());
+  const bool async_op = arg("async_op").toBool();
+  auto reduce_op = [&] { return *arg("reduce_op").toCustomClass<c10d::ReduceOp>(); };
+  const std::string& op = schema.name();
+  if (op == "c10d::allreduce_") {
+    auto tensors = arg("tensors").toTensorVector();
+    return backend->allreduce(tensors, c10d::AllreduceOptions{reduce_op(), timeout, async_op});
+  }
+  if (op == "c10d::broadcast_") {
+    auto tensors = arg("tensors").toTensorVector();
+    return backend->broadcast(
+        tensors, c10d::BroadcastOptions{arg("root_rank").toInt(), arg("root_tensor").toInt(), timeout, async_op});
+  }
+  if (op == "c10d::alltoall_base_") {
+    at::Tensor out = arg("output").toTensor(), in = arg("input").toTensor();
+    auto output_splits = arg("output_split_sizes").toIntVector(), input_splits = arg("input_split_sizes").toIntVector();
+    return backend->alltoall_base(out, in, output_splits, input_splits, c10d::AllToAllOptions{timeout, async_op});
+  }
+  at::Tensor out = arg("output_tensor").toTensor(), in = arg("input_tensor").toTensor();
+  if (op == "c10d::_allgather_base_") {
+    return backend->_allgather_base(out, in, c10d::AllgatherOptions{timeout, async_op});
+  }
+  TORCH_CHECK(op == "c10d::_reduce_scatter_base_", "tpu_dist: no CPU kernel for ", op);
+  return backend->_reduce_scatter_base(out, in, c10d::ReduceScatterOptions{reduce_op(), timeout, async_op});
+}
+
+// A carried collective on CPU tensors (the CPU key): over the group's channel
+// if it has one, as the same call on tpu tensors would go; else as torch's CPU
+// kernel (gloo). Tensors the channel cannot take as they are (strided views,
+// sparse) go to gloo, which decides about them.
+void collective_on_cpu(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const size_t num_args = schema.arguments().size();
   torch::jit::Stack args(stack->end() - num_args, stack->end());
   const auto channel = carrying_channel(schema, args);
   if (channel && all_dense_cpu(args)) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // PREMUL_SUM's scaling is not differentiated
-    lower_premul_sum(schema, args);
+    lower_premul_sum(schema, args);  // in place for reductions in place: gloo gets the lowered call too
     if (auto work = run_on_channel(schema, args, *channel)) {
-      push_channel_returns(schema, stack, args[0], std::move(work));
+      push_returns(schema, stack, args[0], std::move(work));
       return;
     }
-    std::copy(args.begin(), args.end(), stack->end() - num_args);
   }
-  op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+  push_returns(schema, stack, args[0], run_on_cpu_backend(schema, args));
 }
 
 bool takes_process_group(const c10::FunctionSchema& schema) {
@@ -330,7 +361,7 @@ void register_collectives() {
     static auto* library =
         new torch::Library(torch::Library::IMPL, "c10d", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
     static auto* cpu_library =
-        new torch::Library(torch::Library::IMPL, "c10d", c10::DispatchKey::AutogradCPU, __FILE__, __LINE__);
+        new torch::Library(torch::Library::IMPL, "c10d", c10::DispatchKey::CPU, __FILE__, __LINE__);
     for (const c10::OperatorName& name : c10::Dispatcher::singleton().getAllOpNames()) {
       if (name.name.rfind("c10d::", 0) != 0 || !name.overload_name.empty()) continue;
       auto handle = c10::Dispatcher::singleton().findOp(name);
