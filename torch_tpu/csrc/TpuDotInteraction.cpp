@@ -188,9 +188,12 @@ std::tuple<at::Tensor, at::Tensor> fused_backward(const at::Tensor& grad, const 
       const float* v = g.data();
       for (int64_t i = 0; i < n; ++i) {
         const int64_t later = n - 1 - i;  // pairs (i, j > i), next in the row
-        s[i * n + i] = 0.0f;
-        std::copy(v, v + later, s.data() + i * n + i + 1);
-        for (int64_t j = 0; j < later; ++j) s[(i + 1 + j) * n + i] = v[j];
+        float* row = s.data() + i * n + i;  // (i, i); (i, j) is row[j - i], (j, i) is row[(j - i) * n]
+        row[0] = 0.0f;
+        for (int64_t j = 1; j <= later; ++j) {  // a short loop, not a copy call per row
+          row[j] = v[j - 1];
+          row[j * n] = v[j - 1];
+        }
         v += later;
       }
       pack_x(dense, sparse, e, x.data(), ldx, round);

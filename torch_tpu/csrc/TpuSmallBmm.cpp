@@ -53,6 +53,16 @@ __attribute__((target("avx2,fma"))) void pack(const float* src, int64_t rows, in
     for (int64_t r = 0; r < rows; ++r) std::fill(dst + r * ld + cols, dst + (r + 1) * ld, 0.0f);
     return;
   }
+  if (s_col == 1 && s_row == cols && ld == cols) {
+    // Dense rows into dense rows (the DLRM interaction's sparse block at a dim of whole
+    // 8-float steps): one pass, not a call per short row.
+    if (round) {
+      round_to_bf16(src, dst, rows * cols);
+    } else {
+      std::copy(src, src + rows * cols, dst);
+    }
+    return;
+  }
   for (int64_t r = 0; r < rows; ++r) {
     const float* in = src + r * s_row;
     float* out = dst + r * ld;
