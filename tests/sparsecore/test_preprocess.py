@@ -137,6 +137,10 @@ def test_missing_feature_and_float_ids_are_refused():
     bad = KeyedJaggedTensor.from_lengths_sync(keys=["a", "b"], values=torch.tensor([1.0, 2.0]), lengths=torch.tensor([1, 1]))
     with pytest.raises(InputError, match="ids must be int64 or int32"):
         preprocess_stacks(bad, stacks)
+    # Lengths that sum to the ids but one is negative: refused before any bag is read.
+    negative = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([4, -1]))
+    with pytest.raises(InputError, match="lengths must be non-negative"):
+        preprocess_stacks(negative, stacks)
 
 
 def test_empty_batch_and_empty_bags():
