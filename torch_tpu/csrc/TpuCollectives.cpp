@@ -30,8 +30,8 @@
 // with the call's options.
 //
 // Registered on request (torch.ops.torch_tpu._register_collectives, when a
-// tpu_dist group is created), not at load: torch has PrivateUse1 kernels for
-// these ops, and replacing them warns, expectedly, so that warning is dropped.
+// tpu_dist group is created), not at load: torch has PrivateUse1 and CPU kernels
+// for these ops, and replacing them warns, expectedly, so that warning is dropped.
 
 #include "TpuHost.h"
 #include "TpuShmCollectives.h"
@@ -253,7 +253,7 @@ c10::intrusive_ptr<c10d::Work> run_on_channel(const c10::FunctionSchema& schema,
 // Replaces the op's arguments on the stack by its returns: the caller's
 // tensors (the first argument), if the op returns them, and the work.
 void push_returns(const c10::FunctionSchema& schema, torch::jit::Stack* stack, c10::IValue tensors,
-                          c10::intrusive_ptr<c10d::Work> work) {
+                  c10::intrusive_ptr<c10d::Work> work) {
   torch::jit::drop(*stack, schema.arguments().size());
   if (schema.returns().size() == 2) stack->push_back(std::move(tensors));
   stack->push_back(c10::IValue(std::move(work)));

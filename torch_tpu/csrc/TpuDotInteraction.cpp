@@ -82,8 +82,8 @@ void pack_x(const at::Tensor& dense, const at::Tensor& sparse, int64_t e, float*
 // two rows of x loaded per step and four others, eight fused multiply-adds -
 // then all eight sums reduced across lanes at once (pairwise adds, a lane
 // transpose), returned as [(i0, j0 .. j0 + 3), (i0 + 1, j0 .. j0 + 3)].
-__attribute__((target("avx2,fma"), always_inline)) inline __m256 dots_2x4(const float* const* rows, int64_t i0, int64_t j0,
-                                                    int64_t depth) {
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 dots_2x4(const float* const* rows, int64_t i0,
+                                                                          int64_t j0, int64_t depth) {
   const float *a0 = rows[i0], *a1 = rows[i0 + 1];
   const float *b0 = rows[j0], *b1 = rows[j0 + 1], *b2 = rows[j0 + 2], *b3 = rows[j0 + 3];
   __m256 s00 = _mm256_setzero_ps(), s01 = s00, s02 = s00, s03 = s00, s10 = s00, s11 = s00, s12 = s00, s13 = s00;
