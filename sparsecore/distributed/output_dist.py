@@ -32,8 +32,8 @@ Runs = list[tuple[int, int]]
 class Placement:
     """Where the blocks of the exchange (each rank's, then the replicated tables' own), of
     ``block_widths`` columns, land in the module's ``width`` output columns: ``columns[b]``,
-    block b's runs. With
-    row-sharded tables a column has a source per shard (``summed``): the blocks add up."""
+    block b's runs. With row-sharded tables a column has a source per shard (``summed``):
+    the blocks add up."""
 
     columns: list[Runs]
     block_widths: list[int]

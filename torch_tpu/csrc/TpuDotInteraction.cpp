@@ -150,6 +150,9 @@ at::Tensor fused_forward(const at::Tensor& dense, const at::Tensor& sparse, bool
     const std::vector<float> zeros(ld * 4, 0.0f);
     std::vector<const float*> rows(n + 4);
     for (int64_t r = 0; r < 4; ++r) rows[n + r] = zeros.data() + r * ld;
+    if (!in_place) {
+      for (int64_t r = 0; r < n; ++r) rows[r] = x.data() + r * ld;  // repacked per sample
+    }
     for (int64_t e = begin; e < end; ++e) {
       if (in_place) {
         rows[0] = pd + e * dense.stride(0);
@@ -157,7 +160,6 @@ at::Tensor fused_forward(const at::Tensor& dense, const at::Tensor& sparse, bool
         for (int64_t r = 1; r < n; ++r) rows[r] = ps + (r - 1) * sparse.stride(1);
       } else {
         pack_x(dense, sparse, e, x.data(), ld, round);
-        for (int64_t r = 0; r < n; ++r) rows[r] = x.data() + r * ld;
       }
       float* row = po + e * width;
       // The dense part as given: the MXU rounds operands, not the tensors passed through.
