@@ -39,6 +39,7 @@ import torch.fx
 
 from torch_tpu.compile_cache import compile_cache, graph_key
 from torch_tpu.graph_ops import is_graph_op
+from torch_tpu.scalar_hoisting import hoist_scalar_math
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +115,9 @@ def _compilable(node: torch.fx.Node) -> bool:
 
 def host_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of an ATen graph for the CPU compiler: tpu devices become cpu,
-    matmul-family nodes their MXU ops. Raises NotCompilable for an fp32
-    matmul-family op without an MXU op."""
+    matmul-family nodes their MXU ops, and 0-d math that large kernels read is
+    computed once per call (``torch_tpu.scalar_hoisting``). Raises
+    NotCompilable for an fp32 matmul-family op without an MXU op."""
     host = copy.deepcopy(gm)
     for node in host.graph.nodes:
         if node.op != "call_function":
@@ -129,6 +131,7 @@ def host_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         elif packet in UNMAPPED_MXU_OPS and _is_fp32_mxu(node):
             raise NotCompilable(f"{node.target} at fp32 has no MXU-precision op in compiled graphs")
     host.recompile()
+    hoist_scalar_math(host)
     return host
 
 
