@@ -58,6 +58,7 @@ logger = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 _ops = torch.ops.torch_tpu
+_deferred_empty = _ops._deferred_empty.default
 MAX_OPS = 4096
 MAX_META_CACHE = 100_000
 # Allocation only: run at once (nothing to fuse), like views of real memory.
@@ -96,7 +97,7 @@ class DeferStats:
         return self.ops_recorded / self.graphs if self.graphs else 0.0
 
 
-@dataclass
+@dataclass(slots=True)
 class _Bound:
     tensor: torch.Tensor
     ref: _Ref
@@ -105,7 +106,39 @@ class _Bound:
 
 
 def _tensor_meta(t: torch.Tensor) -> tuple:
-    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device.type)
+    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, "tpu" if t.get_device() >= 0 else t.device.type)
+
+
+_dtype_codes: dict[torch.dtype, int] = {}
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    """The ScalarType number ``_deferred_empty`` takes for ``dtype``."""
+    code = _dtype_codes.get(dtype)
+    if code is None:
+        code = _dtype_codes[dtype] = _ops._dtype_code(dtype)
+    return code
+
+
+def _tpu_index(flat: list) -> tuple[int | None, bool]:
+    """The tpu device an op's outputs go to - its first tpu tensor's or tpu device
+    argument's index (-1: the current device) or None when it involves no tpu
+    memory - and whether it names another device (a transfer off the tpu)."""
+    index, elsewhere = None, False
+    for a in flat:
+        if isinstance(a, torch.Tensor):
+            # get_device is cheap and -1 for cpu and meta: in torch's CPU build the
+            # tpu is the only device with indices.
+            if index is None:
+                i = a.get_device()
+                if i >= 0:
+                    index = i
+        elif isinstance(a, torch.device):
+            if a.type != "tpu":
+                elsewhere = True
+            elif index is None:
+                index = -1 if a.index is None else a.index
+    return index, elsewhere
 
 
 def _meta_tensor(meta: tuple) -> torch.Tensor:
@@ -234,23 +267,23 @@ class _Engine:
     @staticmethod
     def _calibrate() -> tuple[int, int, int]:
         """Python, TensorImpl and storage holders of a pending tensor only the graph holds."""
-        t = _ops._deferred_empty([1], [1], torch.float32, torch.device("tpu"))
+        t = _deferred_empty([1], [1], _dtype_code(torch.float32), -1)
         _storage_id(t)  # as _bind does: the storage's Python object then holds the storage too
         entry = _Bound(t, ("v", 0, 0), "base", ())
         del t
-        impl, storage = _ops._holders(entry.tensor)
+        impl, storage = _ops._holders([entry.tensor])
         return sys.getrefcount(entry.tensor), impl, storage
 
     # ---- dispatch ----
 
     def dispatch(self, func, args, kwargs):
         flat = _flat(args, kwargs)
-        if not any(isinstance(a, torch.Tensor) and a.device.type == "tpu" for a in flat) and not any(
-                isinstance(a, torch.device) and a.type == "tpu" for a in flat):
+        index, elsewhere = _tpu_index(flat)
+        if index is None:
             return func(*args, **kwargs)  # no tpu memory involved: nothing of the graph's to lock
         with self.lock:
             try:
-                return self._record(func, args, kwargs, flat)
+                return self._record(func, args, kwargs, index, elsewhere)
             except _NotRecordable as why:
                 if why.by_design is not None:
                     counter = self.stats.sync_points if why.by_design else self.stats.not_recorded
@@ -276,11 +309,12 @@ class _Engine:
 
     # ---- recording ----
 
-    def _record(self, func, args, kwargs, flat):
+    def _record(self, func, args, kwargs, index: int, elsewhere: bool):
+        """Records ``func`` with outputs on tpu device ``index``; ``elsewhere``: it names another device."""
         info = _op_info(func)
         if not info.recordable:
             raise _NotRecordable(None if func in ALLOCATIONS else True)
-        if any(isinstance(a, torch.device) and a.type != "tpu" for a in flat):
+        if elsewhere:
             raise _NotRecordable(True)  # a transfer off the device
         if info.mutated:
             return self._record_in_place(func, args, kwargs, info)
@@ -295,7 +329,6 @@ class _Engine:
         refs_args, refs_kwargs, sig, shapes = self._refs(func, args, kwargs)
         out_metas = self._out_metas(func, args, kwargs, shapes)
         node = self._add_node(func, refs_args, refs_kwargs, out_metas, sig)
-        device = None if info.is_view else self._device_of(flat)
         outputs = []
         for j, meta in enumerate(out_metas):
             if meta is None:  # an optional output not asked for (convolution_backward's grad_bias, say)
@@ -306,7 +339,7 @@ class _Engine:
                 t = _ops._deferred_alias(args[0], list(shape), list(stride), offset)
                 self._bind(t, ("v", node, j), "view", meta)
             else:
-                t = _ops._deferred_empty(list(shape), list(stride), dtype, device)
+                t = _deferred_empty(shape, stride, _dtype_code(dtype), index)
                 self._bind(t, ("v", node, j), "base", meta)
             outputs.append(t)
         self._after_record()
@@ -322,7 +355,7 @@ class _Engine:
             raise _NotRecordable
         targets = list(args[0]) if isinstance(args[0], (list, tuple)) else [args[0]]
         g = self.graph
-        if any(not isinstance(t, torch.Tensor) or t.device.type != "tpu" for t in targets):
+        if any(not isinstance(t, torch.Tensor) or t.get_device() < 0 for t in targets):  # see _tpu_index
             raise _NotRecordable
         storages = [_storage_id(t) for t in targets]
         for t, storage in zip(targets, storages):
@@ -397,44 +430,37 @@ class _Engine:
         bound = g.bound.get(t._cdata)
         return (bound is not None and bound.kind in ("base", "view")) or _storage_id(t) in g.pending_storages
 
-    @staticmethod
-    def _device_of(flat) -> torch.device:
-        for a in flat:
-            if isinstance(a, torch.Tensor) and a.device.type == "tpu":
-                return a.device
-            if isinstance(a, torch.device) and a.type == "tpu":
-                return a if a.index is not None else torch.device("tpu", torch.tpu.current_device())
-        return torch.device("tpu", torch.tpu.current_device())
-
     def _refs(self, func, args, kwargs):
         """args/kwargs with each tensor replaced by its Arg; the node's signature: the
         op, its arguments with tensors as (ref, meta); and the arguments with tensors as
         their metas only, which is all their output metas depend on."""
         sig: list = [func]
         shapes: list = []
+        sig_append, shapes_append, ref = sig.append, shapes.append, self._ref  # on every argument of every op
 
         def leaf(x):
             if isinstance(x, torch.Tensor):
-                r, meta = self._ref(x)
-                sig.append((r, meta))
-                shapes.append(meta)
+                r, meta = ref(x)
+                sig_append((r, meta))
+                shapes_append(meta)
                 return Arg(r)
-            sig.append(x)
-            shapes.append(x)
+            sig_append(x)
+            shapes_append(x)
             return x
 
         def conv(x):  # aten nests at most a list inside the arguments
             t = type(x)
             if t is list or t is tuple:
-                sig.append(len(x))
-                shapes.append(len(x))
+                sig_append(len(x))
+                shapes_append(len(x))
                 return t([leaf(v) for v in x])
             return leaf(x)
 
         refs_args = [conv(a) for a in args]
-        sig.append(tuple(kwargs))
-        shapes.append(tuple(kwargs))
-        refs_kwargs = {k: conv(v) for k, v in kwargs.items()}
+        keys = tuple(kwargs)
+        sig_append(keys)
+        shapes_append(keys)
+        refs_kwargs = {k: conv(v) for k, v in kwargs.items()} if kwargs else {}
         return refs_args, refs_kwargs, tuple(sig), tuple(shapes)
 
     def _ref(self, t: torch.Tensor) -> tuple[_Ref, tuple]:
@@ -457,14 +483,15 @@ class _Engine:
             return ("v", self._add_as_strided(base.ref, meta), 0), meta
         if storage in g.write_storages:
             raise _NotRecordable  # reads memory with a pending write through another tensor
-        if t.device.type != "tpu" and t.dim() != 0:
+        on_tpu = meta[4] == "tpu"
+        if not on_tpu and t.dim() != 0:
             raise _NotRecordable(True)  # cpu operands other than scalars: a transfer to the device
         k = len(g.inputs)
         # A cpu scalar may change before the graph runs (a step count): keep its value now.
-        g.inputs.append(t if t.device.type == "tpu" else t.clone())
+        g.inputs.append(t if on_tpu else t.clone())
         g.input_index[t._cdata] = k
         g.input_metas.append(meta)
-        if t.device.type == "tpu":
+        if on_tpu:
             g.input_storages.add(storage)
         return ("i", k), meta
 
@@ -541,32 +568,38 @@ class _Engine:
 
     def touches(self, t: torch.Tensor) -> bool:
         """Whether `t`'s memory is pending or has a pending write."""
-        if t.device.type != "tpu":
+        if t.get_device() < 0:  # see _tpu_index
             return False
         g = self.graph
         storage = _storage_id(t)
         return t._cdata in g.bound or storage in g.pending_storages or storage in g.write_storages
 
-    def _held(self, entry: _Bound, own: int = 0, impl: int | None = None) -> bool:
-        """Whether anyone but the graph holds this tensor (Python or C++). `own`:
-        references the graph itself makes (its views' autograd base)."""
+    def _holders(self, entries: list[_Bound]) -> dict[int, tuple[int, int]]:
+        """TensorImpl address -> (TensorImpl holders, storage holders) of the entries' tensors, in one call."""
+        tensors = [e.tensor for e in entries]
+        counts = _ops._holders(tensors)
+        del tensors  # its references would count as holders in _held
+        return {e.tensor._cdata: (counts[2 * i], counts[2 * i + 1]) for i, e in enumerate(entries)}
+
+    def _held(self, entry: _Bound, impl: int, own: int = 0) -> bool:
+        """Whether anyone but the graph holds this tensor (Python or C++), given its
+        TensorImpl's holders. `own`: references the graph itself makes (its views'
+        autograd base)."""
         py_base, impl_base, _ = self._holder_base
-        if impl is None:
-            impl = _ops._holders(entry.tensor)[0]
         if impl > impl_base + own:
             return True
         # While C++ holds a TensorImpl, the TensorImpl holds its Python object.
         return sys.getrefcount(entry.tensor) > py_base + (impl > impl_base)
 
-    def _alive(self, base: _Bound, graph: _Graph) -> bool:
+    def _alive(self, base: _Bound, graph: _Graph, holders: dict[int, tuple[int, int]]) -> bool:
         """A pending base is needed if it, one of its views, or any other tensor on its storage is held."""
         views = graph.views_of.get(_storage_id(base.tensor), [])
-        impl, storage = _ops._holders(base.tensor)
-        if self._held(base, own=len(views), impl=impl):  # a view's autograd data holds its base
+        impl, storage = holders[base.tensor._cdata]
+        if self._held(base, impl, own=len(views)):  # a view's autograd data holds its base
             return True
         if storage > self._holder_base[2] + len(views):
             return True  # a TensorImpl the graph does not know shares the storage (a saved tensor)
-        return any(self._held(v) for v in views)
+        return any(self._held(v, holders[v.tensor._cdata][0]) for v in views)
 
     def materialize(self, reason: str = "materialize()") -> None:
         """Runs the pending graph; every pending tensor still held gets its value."""
@@ -576,8 +609,9 @@ class _Engine:
                 return
             self.graph = _Graph()
             self.repeats.flushed()
-            targets = [b for b in g.bound.values()
-                       if (b.kind == "write" and b.ref[1] not in g.in_place) or (b.kind == "base" and self._alive(b, g))]
+            holders = self._holders([b for b in g.bound.values() if b.kind in ("base", "view", "written view")])
+            targets = [b for b in g.bound.values() if (b.kind == "write" and b.ref[1] not in g.in_place)
+                       or (b.kind == "base" and self._alive(b, g, holders))]
             if not targets and not g.in_place:
                 return
             outputs = [b.ref for b in targets]

@@ -15,14 +15,20 @@
 namespace torch_tpu {
 namespace {
 
-at::Tensor deferred_empty(c10::IntArrayRef size, c10::IntArrayRef stride, c10::ScalarType dtype,
-                          c10::Device device) {
-  const auto index = resolve(index_of(device));
+// dtype and device come as integers (dtype_code's, a tpu index): converting a
+// torch.dtype and a torch.device from Python costs more than the rest of the
+// call, and DeferAndFuse makes one of these per recorded op.
+at::Tensor deferred_empty(c10::IntArrayRef size, c10::IntArrayRef stride, int64_t dtype, int64_t device) {
+  TORCH_CHECK(dtype >= 0 && dtype < static_cast<int64_t>(c10::ScalarType::NumOptions), "_deferred_empty: dtype code ",
+              dtype, " is not a ScalarType");
+  TORCH_CHECK(device >= -1 && device < device_count(), "_deferred_empty: no tpu device ", device, " (", device_count(),
+              " devices)");
+  const auto index = resolve(static_cast<c10::DeviceIndex>(device));
   c10::Storage storage(c10::Storage::use_byte_size_t(), 0,
                        c10::DataPtr(nullptr, c10::Device(c10::DeviceType::PrivateUse1, index)), &tpu_allocator(),
                        /*resizable=*/true);
   auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
-                                                   c10::scalarTypeToTypeMeta(dtype));
+                                                   c10::scalarTypeToTypeMeta(static_cast<c10::ScalarType>(dtype)));
   impl->set_sizes_and_strides(size, stride, 0);
   return at::Tensor(std::move(impl));
 }
@@ -56,21 +62,34 @@ bool fill_deferred(const at::Tensor& self, const at::Tensor& value) {
   return true;
 }
 
-// [TensorImpl holders, storage holders] (the call holds one of the first).
-std::vector<int64_t> holders(const at::Tensor& self) {
-  return {static_cast<int64_t>(self.use_count()), static_cast<int64_t>(self.storage().use_count())};
+int64_t dtype_code(c10::ScalarType dtype) {
+  return static_cast<int64_t>(dtype);
+}
+
+// Per tensor: [TensorImpl holders, storage holders] (the call holds one of the
+// first). One call for all of a graph's pending tensors: DeferAndFuse asks at
+// every materialization, and a call costs more than the counting.
+std::vector<int64_t> holders(at::TensorList tensors) {
+  std::vector<int64_t> counts;
+  counts.reserve(2 * tensors.size());
+  for (const auto& t : tensors) {
+    counts.push_back(static_cast<int64_t>(t.use_count()));
+    counts.push_back(static_cast<int64_t>(t.storage().use_count()));
+  }
+  return counts;
 }
 
 } // namespace
 
 TORCH_LIBRARY_FRAGMENT(torch_tpu, m) {
-  m.def("_deferred_empty(int[] size, int[] stride, ScalarType dtype, Device device) -> Tensor", deferred_empty);
+  m.def("_deferred_empty(int[] size, int[] stride, int dtype, int device) -> Tensor", deferred_empty);
+  m.def("_dtype_code(ScalarType dtype) -> int", dtype_code);
   // A deferred view: the base's (empty) storage with the view's geometry, so it sees the
   // base's memory once that is filled.
   m.def("_deferred_alias(Tensor base, int[] size, int[] stride, int offset) -> Tensor", alias_with);
   m.def("_fill_deferred(Tensor self, Tensor value) -> bool", fill_deferred);
   m.def("_is_deferred(Tensor self) -> bool", is_deferred);
-  m.def("_holders(Tensor self) -> int[]", holders);
+  m.def("_holders(Tensor[] tensors) -> int[]", holders);
 }
 
 } // namespace torch_tpu
