@@ -53,16 +53,27 @@ def single_process(tmp_path_factory) -> list[dict]:
     return run(["--pipeline", "none"], tmp_path_factory.mktemp("single") / "metrics.jsonl", 1)  # the plain loop
 
 
+@pytest.fixture(scope="module")
+def row_wise_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """Two ranks under the row-wise plan: the run directory (with the limits it saved) and its metrics."""
+    directory = tmp_path_factory.mktemp("row_wise")
+    plan("row_wise").save(directory / "plan.json")
+    return directory, run(["--plan", str(directory / "plan.json")], directory / "metrics.jsonl", 2)
+
+
 # column_wise, table_row_wise and data_parallel run under `make test-all` (the module-level
 # tests of tests/distributed/test_sharded_embeddings.py cover them in CI).
 @pytest.mark.parametrize("kind", ["default", "table_wise", "row_wise", "fsdp2"] + [
     pytest.param(k, marks=pytest.mark.slow) for k in ("column_wise", "table_row_wise", "data_parallel")])
-def test_two_ranks_train_as_one_process(kind, tmp_path, single_process):
+def test_two_ranks_train_as_one_process(kind, tmp_path, single_process, request):
     args = ["--dense-parallel", "fsdp2"] if kind == "fsdp2" else []  # fsdp2: the default plan
-    if kind not in ("default", "fsdp2"):
-        plan(kind).save(tmp_path / "plan.json")
-        args += ["--plan", str(tmp_path / "plan.json")]
-    sharded = run(args, tmp_path / "metrics.jsonl", 2)
+    if kind == "row_wise":
+        sharded = request.getfixturevalue("row_wise_run")[1]
+    else:
+        if kind not in ("default", "fsdp2"):
+            plan(kind).save(tmp_path / "plan.json")
+            args += ["--plan", str(tmp_path / "plan.json")]
+        sharded = run(args, tmp_path / "metrics.jsonl", 2)
     expected = single_process
     assert [m["step"] for m in sharded] == [m["step"] for m in expected] == [2, 4]
     for got, want in zip(sharded, expected):
@@ -70,15 +81,14 @@ def test_two_ranks_train_as_one_process(kind, tmp_path, single_process):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (kind, got["step"], key)
 
 
-def test_observed_limits_are_the_maxima_over_ranks_and_seed_the_next_run(tmp_path):
+def test_observed_limits_are_the_maxima_over_ranks_and_seed_the_next_run(tmp_path, row_wise_run):
     """Saved once (rank 0) with the maxima over both ranks: seeded at exactly those, the same
     sharded run fits on every rank (a rank-local maximum could be too small on the other one)."""
-    plan("row_wise").save(tmp_path / "plan.json")
-    first = run(["--plan", str(tmp_path / "plan.json")], tmp_path / "first" / "metrics.jsonl", 2)
-    saved = json.loads((tmp_path / "first" / "sparsecore_limits.json").read_text())
+    directory, first = row_wise_run
+    saved = json.loads((directory / "sparsecore_limits.json").read_text())
     assert saved["world_size"] == 2 and set(saved["tables"]) == set(TABLES)
     assert all(v["max_ids_per_partition"] > 0 for v in saved["tables"].values())
-    again = run(["--plan", str(tmp_path / "plan.json"), "--limits", str(tmp_path / "first" / "sparsecore_limits.json"),
+    again = run(["--plan", str(directory / "plan.json"), "--limits", str(directory / "sparsecore_limits.json"),
                  "--limits-headroom", "1.0"], tmp_path / "again" / "metrics.jsonl", 2)
     assert [m["train_loss"] for m in again] == [m["train_loss"] for m in first]
 
