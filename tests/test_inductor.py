@@ -159,6 +159,56 @@ def test_the_runner_keeps_the_faster_variant(faster):
     assert calls[faster] == before[faster] + 1
 
 
+def test_a_close_choice_is_checked_again_and_a_noisy_start_corrected():
+    # The compiled variant's first calls are slowed (a burst of other work, say): op by op is
+    # chosen, but the two were within CLOSE, so a later check times compiled at its real speed.
+    calls = {"compiled": 0, "replay": 0}
+
+    def compiled(x):
+        calls["compiled"] += 1
+        time.sleep(0.03 if calls["compiled"] <= 4 else 0.0)
+        return x + 1
+
+    def replay(x):
+        calls["replay"] += 1
+        time.sleep(0.02)
+        return x + 1
+
+    runner = inductor.ChoosingRunner(compiled, replay)
+    runner.RECHECK_EVERY = 3
+    x = torch.zeros(2, device="tpu")
+    for _ in range(runner.CALLS_TO_CHOOSE):
+        runner(x)
+    assert runner.runs_compiled is False
+    for _ in range(runner.RECHECK_EVERY + 1):  # the check's two timed calls are the last two
+        torch.testing.assert_close(runner(x).cpu(), torch.ones(2))
+    assert runner.runs_compiled is True
+    before = dict(calls)
+    runner(x)
+    assert calls == {**before, "compiled": before["compiled"] + 1}
+
+
+def test_a_clear_choice_is_not_checked_again():
+    calls = {"compiled": 0, "replay": 0}
+
+    def variant(name, seconds):
+        def run(x):
+            calls[name] += 1
+            time.sleep(seconds)
+            return x + 1
+        return run
+
+    runner = inductor.ChoosingRunner(variant("compiled", 0.0), variant("replay", 0.02))
+    runner.RECHECK_EVERY = 2
+    x = torch.zeros(2, device="tpu")
+    for _ in range(runner.CALLS_TO_CHOOSE):
+        runner(x)
+    before = dict(calls)
+    for _ in range(10):
+        runner(x)
+    assert calls == {**before, "compiled": before["compiled"] + 10}
+
+
 def test_the_tpu_backend_is_found_by_name():
     from torch._dynamo import list_backends
 

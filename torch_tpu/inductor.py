@@ -226,10 +226,13 @@ class HostRunner:
 
 @dataclass
 class Timing:
-    """Per-variant call times while a graph's runner is still choosing."""
+    """Per-variant call times (the first of each is a warm-up and not counted)."""
 
     compiled: list[float]
     replayed: list[float]
+
+    def best(self, compiled: bool) -> float:
+        return min((self.compiled if compiled else self.replayed)[1:])
 
 
 class ChoosingRunner:
@@ -238,10 +241,20 @@ class ChoosingRunner:
     The first calls alternate between the two (after one warm-up call of each)
     and time them; then the faster one runs from there on. Both compute the
     same functional graph, so which ran is invisible to the caller.
+
+    A few timed calls can be misled by a noisy machine (a burst of other work
+    makes either variant look up to twice as slow), so when the two came out
+    within ``CLOSE`` of each other the choice is checked again now and then:
+    one timed call of each, the best time of each so far decides. The checks
+    grow rarer when they confirm the choice (every ``RECHECK_EVERY`` calls,
+    then twice that, ...), so their cost - the slower variant run once -
+    fades out.
     """
 
     TRIALS = 3
     CALLS_TO_CHOOSE = 2 * (TRIALS + 1)  # each variant: a warm-up call, then TRIALS timed
+    CLOSE = 2.0  # best-time ratio below which a choice is checked again
+    RECHECK_EVERY = 50  # the first check is this many calls after the choice; doubled after each that confirms
 
     def __init__(self, compiled: Callable[..., Any], replay: Callable[..., Any], name: str = "graph") -> None:
         self.compiled = compiled
@@ -251,34 +264,59 @@ class ChoosingRunner:
         self.chosen: Callable[..., Any] | None = None
         self.last_ran_compiled = False
         self._calls = 0
+        self._recheck_every = 0  # set at the first choice (a test may set RECHECK_EVERY on the instance)
+        self._until_check: int | None = None  # calls of the chosen variant before the next check
+        self._checking: list[bool] = []  # the variants a check still has to time, in order
 
     def __call__(self, *args: Any) -> Any:
-        if self.chosen is not None:
-            self.last_ran_compiled = self.chosen is self.compiled
-            return self.chosen(*args)
-        use_compiled = self._calls % 2 == 0
+        if self.chosen is None:
+            use_compiled = self._calls % 2 == 0
+            self._calls += 1
+            out = self._timed(use_compiled, args)
+            if min(len(self.timing.compiled), len(self.timing.replayed)) > self.TRIALS:
+                self._choose()
+            return out
+        if self._checking:
+            out = self._timed(self._checking.pop(0), args)
+            if not self._checking:
+                self._choose()
+            return out
+        if self._until_check is not None:
+            self._until_check -= 1
+            if self._until_check == 0:
+                other = self.chosen is not self.compiled
+                self._checking = [not other]  # this call times the other variant, the next the chosen
+                return self._timed(other, args)
+        self.last_ran_compiled = self.chosen is self.compiled
+        return self.chosen(*args)
+
+    def _timed(self, use_compiled: bool, args: tuple) -> Any:
         self.last_ran_compiled = use_compiled
-        self._calls += 1
         run = self.compiled if use_compiled else self.replay
         torch.tpu.synchronize()
         start = time.perf_counter()
         out = run(*args)
         torch.tpu.synchronize()
-        elapsed = time.perf_counter() - start
-        times = self.timing.compiled if use_compiled else self.timing.replayed
-        times.append(elapsed)
-        if min(len(self.timing.compiled), len(self.timing.replayed)) > self.TRIALS:
-            self._choose()
+        (self.timing.compiled if use_compiled else self.timing.replayed).append(time.perf_counter() - start)
         return out
 
     def _choose(self) -> None:
-        compiled = min(self.timing.compiled[1:])  # the first call of each warms up
-        replayed = min(self.timing.replayed[1:])
+        compiled, replayed = self.timing.best(True), self.timing.best(False)
+        previous = self.chosen
         self.chosen = self.compiled if compiled <= replayed else self.replay
-        logger.info(
-            "%s: compiled %.3f ms, op by op %.3f ms: runs %s", self.name, compiled * 1e3, replayed * 1e3,
-            "compiled" if self.chosen is self.compiled else "op by op",
-        )
+        if previous is None:
+            self._recheck_every = self.RECHECK_EVERY
+            logger.info(
+                "%s: compiled %.3f ms, op by op %.3f ms: runs %s", self.name, compiled * 1e3, replayed * 1e3,
+                "compiled" if self.chosen is self.compiled else "op by op",
+            )
+        elif previous is not self.chosen:
+            logger.info("%s: checked again, compiled %.3f ms, op by op %.3f ms: now runs %s", self.name,
+                        compiled * 1e3, replayed * 1e3, "compiled" if self.chosen is self.compiled else "op by op")
+        else:
+            self._recheck_every *= 2
+        close = max(compiled, replayed) < self.CLOSE * min(compiled, replayed)
+        self._until_check = self._recheck_every if close else None
 
     @property
     def runs_compiled(self) -> bool | None:
