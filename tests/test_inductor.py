@@ -180,7 +180,7 @@ def test_a_close_choice_is_checked_again_and_a_noisy_start_corrected():
     for _ in range(runner.CALLS_TO_CHOOSE):
         runner(x)
     assert runner.runs_compiled is False
-    for _ in range(runner.RECHECK_EVERY + 1):  # the check's two timed calls are the last two
+    for _ in range(runner.RECHECK_EVERY + 1):  # the check's two timed calls end the first RECHECK_EVERY
         torch.testing.assert_close(runner(x).cpu(), torch.ones(2))
     assert runner.runs_compiled is True
     before = dict(calls)

@@ -254,7 +254,9 @@ class ChoosingRunner:
     TRIALS = 3
     CALLS_TO_CHOOSE = 2 * (TRIALS + 1)  # each variant: a warm-up call, then TRIALS timed
     CLOSE = 2.0  # best-time ratio below which a choice is checked again
-    RECHECK_EVERY = 50  # the first check is this many calls after the choice; doubled after each that confirms
+    # Calls after the choice until the first check ends, doubled after each check that confirms
+    # the choice; at least 2, since a check is two timed calls.
+    RECHECK_EVERY = 50
 
     def __init__(self, compiled: Callable[..., Any], replay: Callable[..., Any], name: str = "graph") -> None:
         self.compiled = compiled
@@ -265,8 +267,7 @@ class ChoosingRunner:
         self.last_ran_compiled = False
         self._calls = 0
         self._recheck_every = 0  # set at the first choice (a test may set RECHECK_EVERY on the instance)
-        self._until_check: int | None = None  # calls of the chosen variant before the next check
-        self._checking: list[bool] = []  # the variants a check still has to time, in order
+        self._until_check: int | None = None  # calls until the next check's end; None: no checks
 
     def __call__(self, *args: Any) -> Any:
         if self.chosen is None:
@@ -276,17 +277,14 @@ class ChoosingRunner:
             if min(len(self.timing.compiled), len(self.timing.replayed)) > self.TRIALS:
                 self._choose()
             return out
-        if self._checking:
-            out = self._timed(self._checking.pop(0), args)
-            if not self._checking:
-                self._choose()
-            return out
         if self._until_check is not None:
             self._until_check -= 1
+            if self._until_check == 1:  # a check: this call times the other variant, the next the chosen
+                return self._timed(self.chosen is not self.compiled, args)
             if self._until_check == 0:
-                other = self.chosen is not self.compiled
-                self._checking = [not other]  # this call times the other variant, the next the chosen
-                return self._timed(other, args)
+                out = self._timed(self.chosen is self.compiled, args)
+                self._choose()
+                return out
         self.last_ran_compiled = self.chosen is self.compiled
         return self.chosen(*args)
 
@@ -304,17 +302,14 @@ class ChoosingRunner:
         compiled, replayed = self.timing.best(True), self.timing.best(False)
         previous = self.chosen
         self.chosen = self.compiled if compiled <= replayed else self.replay
-        if previous is None:
-            self._recheck_every = self.RECHECK_EVERY
-            logger.info(
-                "%s: compiled %.3f ms, op by op %.3f ms: runs %s", self.name, compiled * 1e3, replayed * 1e3,
-                "compiled" if self.chosen is self.compiled else "op by op",
-            )
-        elif previous is not self.chosen:
-            logger.info("%s: checked again, compiled %.3f ms, op by op %.3f ms: now runs %s", self.name,
-                        compiled * 1e3, replayed * 1e3, "compiled" if self.chosen is self.compiled else "op by op")
+        if previous is self.chosen:
+            self._recheck_every *= 2  # the check confirmed the choice
         else:
-            self._recheck_every *= 2
+            if previous is None:
+                self._recheck_every = self.RECHECK_EVERY
+            logger.info("%s: compiled %.3f ms, op by op %.3f ms: %s %s", self.name, compiled * 1e3,
+                        replayed * 1e3, "runs" if previous is None else "checked again, now runs",
+                        "compiled" if self.chosen is self.compiled else "op by op")
         close = max(compiled, replayed) < self.CLOSE * min(compiled, replayed)
         self._until_check = self._recheck_every if close else None
 

@@ -31,6 +31,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from torch_tpu.distributed.local_ranks import start_local_ranks
@@ -52,8 +54,6 @@ class RankResult:
 
 
 def _join_group(rank: int, world_size: int, store: str, group_timeout_s: float) -> None:
-    import torch.distributed as dist
-
     dist.init_process_group("tpu_dist", init_method=f"file://{store}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=group_timeout_s))
     _exact_fp32()
@@ -61,8 +61,6 @@ def _join_group(rank: int, world_size: int, store: str, group_timeout_s: float) 
 
 def _exact_fp32() -> None:
     """As the rest of the suite (conftest); the warning that highest costs more on a TPU is known."""
-    import torch
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.tpu.set_float32_matmul_precision("highest")
@@ -82,8 +80,6 @@ def _report(results, rank: int, run: Callable[[], Any]) -> bool:
 
 def _entry(rank: int, fn, world_size: int, store: str, group_timeout_s: float, results, args) -> None:
     """A fresh rank: joins, runs one function, leaves."""
-    import torch.distributed as dist
-
     def run():
         _join_group(rank, world_size, store, group_timeout_s)
         value = fn(rank, world_size, *args)
@@ -95,9 +91,6 @@ def _entry(rank: int, fn, world_size: int, store: str, group_timeout_s: float, r
 
 def _pooled_entry(rank: int, world_size: int, store: str, task_queues, results) -> None:
     """A pooled rank: joins once, then runs tasks until told to stop or its parent is gone."""
-    import torch
-    import torch.distributed as dist
-
     tasks = task_queues[rank]
     parent = os.getppid()
     if not _report(results, rank, lambda: _join_group(rank, world_size, store, DEFAULT_GROUP_TIMEOUT_S)):
@@ -118,7 +111,7 @@ def _pooled_entry(rank: int, world_size: int, store: str, task_queues, results) 
         _exact_fp32()
         torch.tpu.reset_peak_memory_stats()
 
-        def run(fn=fn, args=args):
+        def run():
             value = fn(rank, world_size, *args)
             dist.barrier()  # the group still works for the next task
             return value
