@@ -32,6 +32,10 @@
 #include <tuple>
 #include <vector>
 
+#if defined(__AVX512CD__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#endif
+
 namespace sparsecore {
 namespace {
 
@@ -187,6 +191,57 @@ class BagMerger {
   uint32_t slot_[kSlots] = {};  // tag 0: never a bag's
   uint32_t tag_ = 0;
 };
+
+// Whether a bag can hold a repeated id; false means it certainly does not,
+// so BagMerger has nothing to merge. Most bags of large tables hold no
+// repeat. Ids are compared by their low 32 bits (a false "maybe" only costs
+// the merge), in octets: one conflict detection over 16 lanes checks an
+// octet pair. The pairs grow as the square of the length, but up to
+// kMaxScreened ids they cost less than the merge's hash probe per id
+// (measured: preprocessing at pooling 100, uniform ids, about a quarter faster;
+// at pooling 20 an eighth; Zipf ids, whose bags mostly repeat, unchanged).
+constexpr int64_t kMaxScreened = 128;
+
+#if defined(__AVX512CD__) && defined(__AVX512VL__)
+// Lanes past count are 0, which may equal an id: only lanes inside the bag
+// are tested, and a lane's conflicts are with earlier lanes only.
+template <typename index_t>
+inline __m256i low_bits_octet(const index_t* ids, int64_t count) {
+  const auto live = static_cast<__mmask8>((1u << count) - 1);
+  if constexpr (sizeof(index_t) == 8) {
+    return _mm512_maskz_cvtepi64_epi32(live, _mm512_maskz_loadu_epi64(live, ids));
+  } else {
+    return _mm256_maskz_loadu_epi32(live, ids);
+  }
+}
+
+template <typename index_t>
+inline bool may_repeat(const index_t* ids, int64_t length) {
+  if (length > kMaxScreened) return true;
+  const int64_t octets = (length + 7) / 8;
+  __m256i octet[kMaxScreened / 8] = {};
+  for (int64_t o = 0; o < octets; ++o) octet[o] = low_bits_octet(ids + 8 * o, std::min<int64_t>(8, length - 8 * o));
+  auto live = [&](int64_t o) { return (1u << std::min<int64_t>(8, length - 8 * o)) - 1; };
+  // Repeats within octet a, and within a later octet b or between a and b.
+  auto repeats = [&](int64_t a, int64_t b) {
+    // (maskz: GCC 12's unmasked insert reads an undefined register and warns)
+    const __m512i low = _mm512_maskz_inserti64x4(0xFF, _mm512_setzero_si512(), octet[a], 0);
+    const __m512i pair = _mm512_maskz_inserti64x4(0xFF, low, octet[b], 1);
+    const auto tested = static_cast<__mmask16>(a == b ? live(a) : live(a) | live(b) << 8);
+    return _mm512_mask_test_epi32_mask(tested, _mm512_conflict_epi32(pair), _mm512_set1_epi32(-1)) != 0;
+  };
+  if (octets == 1) return repeats(0, 0);
+  for (int64_t a = 0; a < octets; ++a)
+    for (int64_t b = a + 1; b < octets; ++b)
+      if (repeats(a, b)) return true;
+  return false;
+}
+#else
+template <typename index_t>
+inline bool may_repeat(const index_t*, int64_t) {
+  return true;
+}
+#endif
 
 // Pass 1's bag sink when only the buffers are wanted.
 struct NoLookup {
@@ -481,7 +536,8 @@ Preprocessed preprocess_impl(
                     static_cast<int32_t>(row_offset + map.row(shifted)), static_cast<int32_t>(k),
                     shared_gain ? gain : gains[i]};
         }
-        const size_t merged = length == 1 ? 1 : merger.merge(out, static_cast<size_t>(length));
+        const size_t merged =
+            length == 1 || !may_repeat(ids + begin, length) ? length : merger.merge(out, static_cast<size_t>(length));
         for (size_t i = 0; i < merged; ++i) ++count[out[i].partition];
         bags.add(k, out, merged);
         out += merged;

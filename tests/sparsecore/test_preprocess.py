@@ -163,6 +163,42 @@ def test_long_bags_merge_duplicates(bag_length):
     assert got == expected
 
 
+def short_bags():
+    """Bags of 2 to 40 ids and around 64 and 128 (the merge screens bags of up to 128 for
+    repeats, in octets): without repeats, with one repeat (within an octet, across octets, the
+    last id repeating the first), and holding id 0 where the length leaves part of an octet empty."""
+    g = torch.Generator().manual_seed(0)
+    bags = []
+    for length in [*range(2, 41), 63, 64, 65, 127, 128, 129]:
+        distinct = (torch.randperm(1000, generator=g)[:length] + 1).tolist()
+        bags.append(distinct)
+        bags.append(distinct[:-1] + [distinct[0]])
+        bags.append(distinct[:length // 2] + [distinct[1]] + distinct[length // 2 + 1:])
+        bags.append([0] + distinct[1:])
+    return bags
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_short_bags_merge_exactly_their_repeats(dtype):
+    stacks = plan_stacks([SparseCoreEmbeddingConfig(
+        config=EmbeddingBagConfig(name="t", num_embeddings=1001, embedding_dim=4, feature_names=["f"]),
+        max_ids_per_partition=4096, max_unique_ids_per_partition=4096)], 4)
+    bags = short_bags()
+    batch_kjt = kjt({"f": bags})
+    batch_kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=batch_kjt.values().to(dtype),
+                                                    lengths=batch_kjt.lengths())
+    batch = preprocess_stacks(batch_kjt, stacks).stacks[stacks[0].name]
+    got = {}
+    for (receiver, owner), group in entries(batch).items():
+        for row, bag, gain in group:
+            got.setdefault(bag, []).append((row * 4 + owner, gain))
+    for bag, ids in enumerate(bags):
+        counts = {}
+        for i in ids:  # every id once, with its multiplicity as its gain
+            counts[i] = counts.get(i, 0) + 1
+        assert sorted(got[bag]) == sorted((i, float(c)) for i, c in counts.items()), f"bag {bag} of {len(ids)} ids"
+
+
 def test_buffer_widths_are_bucketed():
     """Widths round up to a few shapes (8 steps per power of two, multiples of ALIGNMENT),
     wasting at most an eighth. (Lookups through padded buffers are what every other test runs.)"""
