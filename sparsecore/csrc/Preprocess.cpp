@@ -140,12 +140,68 @@ struct StagingBuffer {
   }
 };
 
+// Whether a bag can hold a repeated id; false means it certainly does not,
+// so there is nothing to merge. Most bags of large tables hold no
+// repeat. Ids are compared by their low 32 bits (a false "maybe" only costs
+// the merge), in octets: one conflict detection over 16 lanes checks an
+// octet pair. The pairs grow as the square of the length, but up to
+// kMaxScreened ids they cost less than the merge's hash probe per id
+// (measured: preprocessing at pooling 100, uniform ids, about a quarter faster;
+// at pooling 20 an eighth; Zipf ids, whose bags mostly repeat, unchanged).
+constexpr int64_t kMaxScreened = 128;
+
+#if defined(__AVX512CD__) && defined(__AVX512VL__)
+// Lanes outside `live` are 0, which may equal an id: only live lanes are
+// tested, and a lane's conflicts are with earlier lanes only.
+template <typename index_t>
+inline __m256i low_bits_octet(const index_t* ids, __mmask8 live) {
+  if constexpr (sizeof(index_t) == 8) {
+    return _mm512_maskz_cvtepi64_epi32(live, _mm512_maskz_loadu_epi64(live, ids));
+  } else {
+    return _mm256_maskz_loadu_epi32(live, ids);
+  }
+}
+
+template <typename index_t>
+inline bool may_repeat(const index_t* ids, int64_t length) {
+  if (length > kMaxScreened) return true;
+  const int64_t octets = (length + 7) / 8;
+  __m256i octet[kMaxScreened / 8] = {};
+  __mmask8 live[kMaxScreened / 8];
+  for (int64_t o = 0; o < octets; ++o) {
+    live[o] = static_cast<__mmask8>((1u << std::min<int64_t>(8, length - 8 * o)) - 1);
+    octet[o] = low_bits_octet(ids + 8 * o, live[o]);
+  }
+  // Repeats within octet a, and within a later octet b or between a and b.
+  auto repeats = [&](int64_t a, int64_t b) {
+    // (maskz: GCC 12's unmasked insert reads an undefined register and warns)
+    const __m512i low = _mm512_maskz_inserti64x4(0xFF, _mm512_setzero_si512(), octet[a], 0);
+    const __m512i pair = _mm512_maskz_inserti64x4(0xFF, low, octet[b], 1);
+    const auto tested = static_cast<__mmask16>(a == b ? live[a] : live[a] | live[b] << 8);
+    return _mm512_mask_test_epi32_mask(tested, _mm512_conflict_epi32(pair), _mm512_set1_epi32(-1)) != 0;
+  };
+  if (octets == 1) return repeats(0, 0);
+  for (int64_t a = 0; a < octets; ++a)
+    for (int64_t b = a + 1; b < octets; ++b)
+      if (repeats(a, b)) return true;
+  return false;
+}
+#else
+template <typename index_t>
+inline bool may_repeat(const index_t*, int64_t) {
+  return true;
+}
+#endif
+
 // Merges ids repeated within one bag (gains summed), in place; returns the
-// merged count. Bags are short, so a small open-addressing table beats
-// sorting them; bags past 128 ids are sorted.
+// merged count. `ids` are the bag's ids, one per entry: bags they show free
+// of repeats are left as they are. Bags are short, so a small
+// open-addressing table beats sorting them; bags past 128 ids are sorted.
 class BagMerger {
  public:
-  __attribute__((always_inline)) size_t merge(Staged* bag, size_t size) {
+  template <typename index_t>
+  __attribute__((always_inline)) size_t merge(Staged* bag, const index_t* ids, size_t size) {
+    if (size <= 1 || !may_repeat(ids, static_cast<int64_t>(size))) return size;
     if (size > kSmall) {
       std::sort(bag, bag + size, [](const Staged& a, const Staged& b) { return key_of(a) < key_of(b); });
       size_t out = 0;
@@ -191,57 +247,6 @@ class BagMerger {
   uint32_t slot_[kSlots] = {};  // tag 0: never a bag's
   uint32_t tag_ = 0;
 };
-
-// Whether a bag can hold a repeated id; false means it certainly does not,
-// so BagMerger has nothing to merge. Most bags of large tables hold no
-// repeat. Ids are compared by their low 32 bits (a false "maybe" only costs
-// the merge), in octets: one conflict detection over 16 lanes checks an
-// octet pair. The pairs grow as the square of the length, but up to
-// kMaxScreened ids they cost less than the merge's hash probe per id
-// (measured: preprocessing at pooling 100, uniform ids, about a quarter faster;
-// at pooling 20 an eighth; Zipf ids, whose bags mostly repeat, unchanged).
-constexpr int64_t kMaxScreened = 128;
-
-#if defined(__AVX512CD__) && defined(__AVX512VL__)
-// Lanes past count are 0, which may equal an id: only lanes inside the bag
-// are tested, and a lane's conflicts are with earlier lanes only.
-template <typename index_t>
-inline __m256i low_bits_octet(const index_t* ids, int64_t count) {
-  const auto live = static_cast<__mmask8>((1u << count) - 1);
-  if constexpr (sizeof(index_t) == 8) {
-    return _mm512_maskz_cvtepi64_epi32(live, _mm512_maskz_loadu_epi64(live, ids));
-  } else {
-    return _mm256_maskz_loadu_epi32(live, ids);
-  }
-}
-
-template <typename index_t>
-inline bool may_repeat(const index_t* ids, int64_t length) {
-  if (length > kMaxScreened) return true;
-  const int64_t octets = (length + 7) / 8;
-  __m256i octet[kMaxScreened / 8] = {};
-  for (int64_t o = 0; o < octets; ++o) octet[o] = low_bits_octet(ids + 8 * o, std::min<int64_t>(8, length - 8 * o));
-  auto live = [&](int64_t o) { return (1u << std::min<int64_t>(8, length - 8 * o)) - 1; };
-  // Repeats within octet a, and within a later octet b or between a and b.
-  auto repeats = [&](int64_t a, int64_t b) {
-    // (maskz: GCC 12's unmasked insert reads an undefined register and warns)
-    const __m512i low = _mm512_maskz_inserti64x4(0xFF, _mm512_setzero_si512(), octet[a], 0);
-    const __m512i pair = _mm512_maskz_inserti64x4(0xFF, low, octet[b], 1);
-    const auto tested = static_cast<__mmask16>(a == b ? live(a) : live(a) | live(b) << 8);
-    return _mm512_mask_test_epi32_mask(tested, _mm512_conflict_epi32(pair), _mm512_set1_epi32(-1)) != 0;
-  };
-  if (octets == 1) return repeats(0, 0);
-  for (int64_t a = 0; a < octets; ++a)
-    for (int64_t b = a + 1; b < octets; ++b)
-      if (repeats(a, b)) return true;
-  return false;
-}
-#else
-template <typename index_t>
-inline bool may_repeat(const index_t*, int64_t) {
-  return true;
-}
-#endif
 
 // Pass 1's bag sink when only the buffers are wanted.
 struct NoLookup {
@@ -527,13 +532,13 @@ Preprocessed preprocess_impl(
         // The bag is checked in a loop of its own, with no branch per id, so
         // that this loop and the one staging the bag vectorize (about 5%
         // off preprocessing, measured); nothing of a bad bag is staged.
+        auto outside = [limit](index_t id) {  // negatives wrap high
+          return static_cast<uint64_t>(id) >= static_cast<uint64_t>(limit);
+        };
         bool in_range = true;
-        for (int64_t i = 0; i < length; ++i) {
-          in_range &= static_cast<uint64_t>(ids[begin + i]) < static_cast<uint64_t>(limit);  // negatives wrap high
-        }
+        for (int64_t i = 0; i < length; ++i) in_range &= !outside(ids[begin + i]);
         if (!in_range) {
-          const index_t* first_bad = std::find_if(ids + begin, ids + begin + length,
-                                                  [&](index_t id) { return id < 0 || id >= limit; });
+          const index_t* first_bad = std::find_if(ids + begin, ids + begin + length, outside);
           bad[2 * c] = j;
           bad[2 * c + 1] = static_cast<int64_t>(*first_bad);
           return;
@@ -544,8 +549,7 @@ Preprocessed preprocess_impl(
                     static_cast<int32_t>(row_offset + map.row(shifted)), static_cast<int32_t>(k),
                     shared_gain ? gain : gains[i]};
         }
-        const size_t merged =
-            length == 1 || !may_repeat(ids + begin, length) ? length : merger.merge(out, static_cast<size_t>(length));
+        const size_t merged = merger.merge(out, ids + begin, static_cast<size_t>(length));
         for (size_t i = 0; i < merged; ++i) ++count[out[i].partition];
         bags.add(k, out, merged);
         out += merged;

@@ -15,12 +15,12 @@ from sparsecore.preprocess import ALIGNMENT, bucket_width, preprocess_stacks
 from sparsecore.stacking import plan_stacks
 
 
-def kjt(features: dict, weights: bool = False):
+def kjt(features: dict, weights: bool = False, dtype: torch.dtype = torch.int64):
     keys = list(features)
     values = [v for k in keys for bag in features[k] for v in bag]
     lengths = [len(bag) for k in keys for bag in features[k]]
     w = torch.arange(1, len(values) + 1, dtype=torch.float32) if weights else None
-    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.tensor(values, dtype=torch.int64),
+    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.tensor(values, dtype=dtype),
                                                lengths=torch.tensor(lengths), weights=w)
 
 
@@ -180,14 +180,11 @@ def short_bags():
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 def test_short_bags_merge_exactly_their_repeats(dtype):
-    stacks = plan_stacks([SparseCoreEmbeddingConfig(
-        config=EmbeddingBagConfig(name="t", num_embeddings=1001, embedding_dim=4, feature_names=["f"]),
-        max_ids_per_partition=4096, max_unique_ids_per_partition=4096)], 4)
+    table = dataclasses.replace(one_table(rows=1001, n=4)[0].tables[0], max_ids_per_partition=4096,
+                                max_unique_ids_per_partition=4096)
+    stacks = plan_stacks([table], 4)
     bags = short_bags()
-    batch_kjt = kjt({"f": bags})
-    batch_kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=batch_kjt.values().to(dtype),
-                                                    lengths=batch_kjt.lengths())
-    batch = preprocess_stacks(batch_kjt, stacks).stacks[stacks[0].name]
+    batch = preprocess_stacks(kjt({"f": bags}, dtype=dtype), stacks).stacks[stacks[0].name]
     got = {}
     for (receiver, owner), group in entries(batch).items():
         for row, bag, gain in group:
