@@ -162,8 +162,12 @@ def test_invalid_precision_is_named():
 
 
 @pytest.mark.timeout(120)
-def test_medium_without_the_bf16_kernel_gives_the_same_results():
-    # The portable path (oneDNN's bf16 mode over rounded operands; rounding + fp32 bmm) in a fresh process.
+@pytest.mark.parametrize("kernel", ["0", "1"])
+def test_medium_on_each_gemm_engine_gives_the_same_results(kernel):
+    # In a fresh process, each engine the machine would not pick by default:
+    # "0" oneDNN's bf16 mode over rounded operands (or, without AVX512,
+    # rounding + fp32 GEMMs); "1" the AVX512-BF16 kernel, even on AMX CPUs
+    # (without AVX512-BF16, the same as "0").
     code = (
         "import torch, torch_tpu\n"
         "g = torch.Generator().manual_seed(3)\n"
@@ -178,7 +182,7 @@ def test_medium_without_the_bf16_kernel_gives_the_same_results():
         "assert (a @ b - r(a) @ r(b)).abs().max() > 1e-2  # the check can tell the two apart\n"
         "print('ok')\n"
     )
-    env = {**os.environ, "TORCH_TPU_BF16_KERNEL": "0"}
+    env = {**os.environ, "TORCH_TPU_BF16_KERNEL": kernel}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=100)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
 

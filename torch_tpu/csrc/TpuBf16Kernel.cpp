@@ -5,9 +5,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
-#include <string>
 #include <vector>
 
 namespace torch_tpu {
@@ -142,14 +140,8 @@ void microkernel(const uint32_t* a, int64_t pairs, const uint32_t* b, float* c, 
 } // namespace
 
 bool bf16_kernel_available() {
-  static const bool available = [] {
-    const char* env = std::getenv("TORCH_TPU_BF16_KERNEL");  // "0": use the portable path
-    if (env != nullptr && std::string(env) == "0") {
-      return false;
-    }
-    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl");
-  }();
+  static const bool available = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl");
   return available;
 }
 

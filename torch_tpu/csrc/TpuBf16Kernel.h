@@ -12,8 +12,8 @@
 
 namespace torch_tpu {
 
-// Whether this CPU has the instructions (checked once; TORCH_TPU_BF16_KERNEL=0
-// turns the kernel off, for CPUs without them and to test the other path).
+// Whether this CPU has the instructions (checked once). Whether medium
+// matmuls use the kernel is TpuBf16Gemm.cpp's choice.
 bool bf16_kernel_available();
 
 // c = alpha * a @ b + beta * c. a: m x k with strides (sam, sak); b: k x n
