@@ -40,7 +40,9 @@ import torch
 from torch import nn
 
 from benchmarks import report
+from torch_tpu.defer_segments import Segments
 from torch_tpu.inductor import ChoosingRunner
+from torch_tpu.timed_choice import TimedChoice
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,9 @@ class Variant:
                 defer.engine().graphs.wait_for_compiles()
                 for _ in range(ChoosingRunner.CALLS_TO_CHOOSE):
                     self._step()
+                # Then each segment (a step) measures itself recorded against run eagerly.
+                for _ in range(Segments.MIN_SETTLED_RUNS + TimedChoice.CALLS_TO_CHOOSE):
+                    self._step()
                 defer.reset_stats()
 
     def _step(self) -> None:
@@ -187,7 +192,9 @@ class Variant:
             s = defer.stats()
             timed = steps * len(self.times)
             row.update(graphs_per_step=s.graphs / timed, ops_per_graph=s.ops_per_graph(),
-                       compiled_share=s.compiled_runs / max(s.graphs, 1), not_recorded=dict(s.not_recorded))
+                       compiled_share=s.compiled_runs / max(s.graphs, 1),
+                       eager_share=s.eager_share(),
+                       not_recorded=dict(s.not_recorded))
         return row
 
 
@@ -266,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.workloads.split(","):
         rows += measure(WORKLOADS[name], args.variants.split(","), args.steps, args.rounds, args.warmup)
     columns = ["workload", "variant", "ms_per_step", "rounds_ms", "cpu_eager_over_this", "speedup_vs_strict",
-               "peak_tpu_mib_over_resident", "graphs_per_step", "ops_per_graph", "compiled_share"]
+               "peak_tpu_mib_over_resident", "graphs_per_step", "ops_per_graph", "compiled_share", "eager_share"]
     table = report.markdown_table(rows, columns)
     starts = [] if args.skip_cold_start else cold_and_warm_start()
     if starts:

@@ -500,6 +500,7 @@ class Trainer:
                 summary["defer_and_fuse"] = {"graphs_per_step": s.graphs / self.step,
                                              "ops_per_graph": s.ops_per_graph(),
                                              "compiled_share": s.compiled_runs / max(s.graphs, 1),
+                                             "eager_share": s.eager_share(),
                                              "not_recorded": dict(s.not_recorded)}
         return summary
 
@@ -609,7 +610,8 @@ def main(argv: list[str] | None = None) -> int:
     if "defer_and_fuse" in summary:
         d = summary["defer_and_fuse"]
         print(f"DeferAndFuse: {d['graphs_per_step']:.1f} graphs per step, {d['ops_per_graph']:.0f} ops per graph, "
-              f"{d['compiled_share']:.0%} of graph runs compiled; ops that fell back (not recorded): {d['not_recorded'] or 'none'}")
+              f"{d['compiled_share']:.0%} of graph runs compiled, {d['eager_share']:.0%} of segments run eagerly "
+              f"(faster so); ops that fell back (not recorded): {d['not_recorded'] or 'none'}")
     if summary["interrupted"]:
         print(f"interrupted at step {summary['steps']}; resume with --resume")
     return 0

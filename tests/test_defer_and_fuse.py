@@ -10,13 +10,14 @@ import io
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 from torch import nn
 
 import torch_tpu
-from torch_tpu import defer, deferred_graph
+from torch_tpu import defer, defer_segments, deferred_graph
 from torch_tpu.eager import EagerMode
 from tests.test_inductor import train_steps, zoo
 
@@ -32,6 +33,7 @@ def strict_after(monkeypatch):
     test asks for compiles."""
     monkeypatch.setenv(COMPILE, "off")
     monkeypatch.setattr(defer.engine(), "graphs", deferred_graph.GraphCache())
+    monkeypatch.setattr(defer.engine(), "segments", defer_segments.Segments(4 * defer.MAX_OPS))
     defer.reset_stats()
     yield
     torch_tpu.set_eager_mode("strict")
@@ -605,3 +607,78 @@ def test_in_place_updates_of_real_tensors_take_no_second_copy(compile_mode, monk
     torch.testing.assert_close(p.cpu(), expected, rtol=1e-5, atol=1e-6)
     if compile_mode == "sync":
         assert defer.stats().compiled_runs > 0, defer.stats()
+
+
+# ---- 10. segments: recorded or run eagerly ----
+
+def slowed(method, seconds: float):
+    """``method`` with a sleep before each call: one way of running made clearly the slower."""
+    def run(*args, **kwargs):
+        time.sleep(seconds)
+        return method(*args, **kwargs)
+    return run
+
+
+def test_segments_that_run_slower_recorded_run_eagerly_with_stricts_results(monkeypatch):
+    monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
+    monkeypatch.setattr(defer._Engine, "_record", slowed(defer._Engine._record, 0.0005))
+    model, x = zoo()["mlp"]
+    strict = train_steps(model, x, steps=20)
+    deferred = train_steps(model, x, mode="defer_and_fuse", steps=20)
+    stats = defer.stats()
+    # Settled after a few steps, then 4 runs of each way while choosing, then eager: the rest.
+    assert stats.eager_segments >= 8 and stats.ops_run_eagerly > 20 * stats.eager_segments, stats
+    chosen = [s.choice.chosen for s in defer.engine().segments.known.values() if s.choice is not None]
+    assert chosen == [defer_segments.EAGER], chosen
+    for a, b in zip(strict, deferred):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)  # Strict's kernels either way
+
+
+def test_segments_that_run_faster_recorded_stay_recorded(monkeypatch):
+    monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
+    monkeypatch.setattr(defer._Engine, "run_eagerly", slowed(defer._Engine.run_eagerly, 0.0005))
+    model, x = zoo()["mlp"]
+    strict = train_steps(model, x, steps=25)
+    counts = []
+    deferred = train_steps(model, x, mode="defer_and_fuse", steps=25,
+                           after_step=lambda: counts.append((defer.stats().graphs, defer.stats().eager_segments)))
+    # The choice measured each way, chose recorded, and never runs eagerly again (a clear choice).
+    assert 1 <= counts[-1][1] <= defer_segments.TimedChoice.CALLS_TO_CHOOSE // 2, counts
+    assert counts[-1][1] == counts[-6][1] and counts[-1][0] == counts[-6][0] + 5, counts
+    for a, b in zip(strict, deferred):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_an_eager_segment_that_departs_from_its_ops_is_recorded_from_there(monkeypatch):
+    monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
+    monkeypatch.setattr(defer_segments.TimedChoice, "next", lambda self: (defer_segments.EAGER, False))
+
+    def steps(mode: str, extra_at: int, n: int = 10, probe=None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        w = torch.randn(8, 8, device="tpu", requires_grad=True)
+        x = torch.randn(4, 8, device="tpu")
+        losses = []
+        with torch_tpu.eager_mode(mode):
+            for i in range(n):
+                h = torch.tanh(x @ w)
+                if i == extra_at:
+                    h = h * 2.0 + 1.0  # a step unlike the others, from its third op
+                loss = h.square().mean()
+                loss.backward()
+                with torch.no_grad():
+                    w -= 0.1 * w.grad
+                    w.grad = None
+                losses.append(loss.detach().cpu())  # a sync point: one segment a step
+                if probe is not None:
+                    probe()
+        return losses + [w.detach().cpu()]
+
+    strict = steps("strict", extra_at=7)
+    seen = []
+    deferred = steps("defer_and_fuse", extra_at=7, probe=lambda: seen.append(
+        (defer.stats().ops_recorded, defer.stats().eager_segments)))
+    # Steps before the odd one ran eagerly (nothing recorded); the odd step records from where it departs.
+    assert seen[6][1] >= 2 and seen[6][0] == seen[5][0], seen
+    assert seen[7][0] > seen[6][0] and seen[7][1] == seen[6][1], seen
+    for a, b in zip(strict, deferred):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)

@@ -30,6 +30,12 @@ arguments. A graph's first occurrences run op by op (exactly Strict's kernels)
 while Inductor compiles it on a background thread; then it runs compiled or op
 by op, whichever measured faster (torch_tpu.inductor.ChoosingRunner).
 
+Recording itself costs time, so whether it pays is measured too: once a
+*segment* - the ops from one materialization to the next, a training step,
+say - recurs with its graph settled, its occurrences run recorded or eagerly
+(Strict's kernels as the ops come, nothing recorded), whichever measured
+faster (torch_tpu.defer_segments).
+
 The recording is a dispatch mode, entered by ``set_eager_mode`` on the
 setting thread; autograd's backward threads inherit it. The pending graph is
 one per process, under a lock.
@@ -50,6 +56,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_tpu import deferred_graph, materialization_hooks
+from torch_tpu.defer_segments import UNMATCHED, Segments
 from torch_tpu.graph_ops import is_graph_op
 from torch_tpu.materialization_hooks import register_materialization_hook  # noqa: F401 - the public entry
 from torch_tpu.deferred_graph import Arg, map_arg
@@ -86,6 +93,8 @@ class DeferStats:
     ops_recorded: int = 0
     compiled_runs: int = 0
     replayed_runs: int = 0
+    eager_segments: int = 0  # segments run eagerly, recording nothing (torch_tpu.defer_segments)
+    ops_run_eagerly: int = 0  # their ops
     # Ops on tpu memory that ran eagerly: the materialization points by design
     # (transfers, .item(), random and data-dependent ops, non-aten ops), and
     # the rest - ops recording could not take (its fallbacks).
@@ -95,6 +104,10 @@ class DeferStats:
 
     def ops_per_graph(self) -> float:
         return self.ops_recorded / self.graphs if self.graphs else 0.0
+
+    def eager_share(self) -> float:
+        """Of the segments (a graph each when recorded), the share run eagerly."""
+        return self.eager_segments / max(self.graphs + self.eager_segments, 1)
 
 
 @dataclass(slots=True)
@@ -251,7 +264,18 @@ class DeferAndFuse(TorchDispatchMode):
         return False  # no _disable_dynamo wrapper: it costs microseconds on every op
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self.engine.dispatch(func, args, kwargs or {})
+        engine = self.engine
+        segments = engine.segments
+        eager = segments.eager
+        if eager is not None:
+            # An eager segment's next op, as expected: the fast path (it costs the
+            # segment about as much as the dispatch mode itself).
+            if eager.ops[segments.pos] is func:
+                with engine.lock:
+                    return engine.run_eagerly(func, args, kwargs or {})
+            if func in UNMATCHED:
+                return func(*args, **(kwargs or {}))
+        return engine.dispatch(func, args, kwargs or {})
 
 
 class _Engine:
@@ -262,6 +286,7 @@ class _Engine:
         self.meta_cache: dict[tuple, Any] = {}
         self.graphs = deferred_graph.GraphCache()
         self.repeats = _Repeats()
+        self.segments = Segments(4 * MAX_OPS)
         self._holder_base = self._calibrate()
 
     @staticmethod
@@ -282,6 +307,12 @@ class _Engine:
         if index is None:
             return func(*args, **kwargs)  # no tpu memory involved: nothing of the graph's to lock
         with self.lock:
+            segments = self.segments
+            if segments.eager is not None:
+                if segments.expects(func):
+                    return self.run_eagerly(func, args, kwargs)
+                self._leave_eager_segment()
+            segments.log_op(func)
             try:
                 return self._record(func, args, kwargs, index, elsewhere)
             except _NotRecordable as why:
@@ -289,6 +320,23 @@ class _Engine:
                     counter = self.stats.sync_points if why.by_design else self.stats.not_recorded
                     counter[str(func)] += 1
                 return self._eager(func, args, kwargs, flat)
+
+    def run_eagerly(self, func, args, kwargs):
+        """An op of a segment running eagerly: Strict's kernel on real memory."""
+        try:
+            out = func(*args, **kwargs)
+        except BaseException:
+            self._leave_eager_segment()
+            raise
+        self.stats.ops_run_eagerly += 1
+        if self.segments.ran_eagerly():
+            self.stats.eager_segments += 1
+        return out
+
+    def _leave_eager_segment(self) -> None:
+        """Recording resumes mid-segment: the repeat detector's period, if any, is out of phase."""
+        self.segments.diverged()
+        self.repeats.forget()
 
     def _eager(self, func, args, kwargs, flat):
         if not self.graph.empty() and self._must_materialize_for(func, flat):
@@ -613,6 +661,7 @@ class _Engine:
             targets = [b for b in g.bound.values() if (b.kind == "write" and b.ref[1] not in g.in_place)
                        or (b.kind == "base" and self._alive(b, g, holders))]
             if not targets and not g.in_place:
+                self.segments.materialized(False)
                 return
             outputs = [b.ref for b in targets]
             self.stats.graphs += 1
@@ -628,6 +677,7 @@ class _Engine:
                         _copy_unversioned(b.tensor, value)
                     del value
                 del values
+            self.segments.materialized(self.graphs.last_settled)
 
 
 class _Repeats:
@@ -670,6 +720,10 @@ class _Repeats:
             self._cutting = True
             return True
         return False
+
+    def forget(self) -> None:
+        """The ops to come are not where the period left off (recording resumed mid-segment)."""
+        self.ops, self.period, self._cutting = [], None, False
 
     def flushed(self) -> None:
         """A graph ran: unless it is the cut asked for, keep the period only if it ended on a boundary."""

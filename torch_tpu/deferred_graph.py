@@ -208,6 +208,13 @@ class _Entry:
     future: concurrent.futures.Future | None = None
     written: list[int] | None = None  # written_inputs, worked out at the first run
 
+    def settled(self) -> bool:
+        """Whether the graph runs as it will from now on: its compile, if any, is
+        done and its runner has chosen (a later check may still change that)."""
+        if self.runs < COMPILE_AT_RUN or (self.future is not None and not self.future.done()):
+            return False
+        return self.runner is None or self.runner.chosen is not None
+
 
 class GraphCache:
     """Graphs by key, and their compiles."""
@@ -217,6 +224,7 @@ class GraphCache:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._warned = False
+        self.last_settled = False  # whether the graph run last runs as it will from now on (_Entry.settled)
 
     @staticmethod
     def compile_mode() -> str:
@@ -237,7 +245,9 @@ class GraphCache:
         if entry.written is None:
             entry.written = written_inputs(graph)
         with versions_kept([graph.inputs[k] for k in entry.written]):
-            return self._run(entry, graph, outputs)
+            result = self._run(entry, graph, outputs)
+        self.last_settled = entry.settled()
+        return result
 
     def _run(self, entry: _Entry, graph: Any, outputs: list[tuple]) -> tuple[list[torch.Tensor], bool]:
         if entry.runs == COMPILE_AT_RUN:

@@ -31,13 +31,13 @@ import copy
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx
 
 from torch_tpu.compile_cache import compile_cache, graph_key
+from torch_tpu.timed_choice import TimedChoice
 from torch_tpu.graph_ops import is_graph_op
 from torch_tpu.scalar_hoisting import hoist_scalar_math
 
@@ -224,99 +224,34 @@ class HostRunner:
         return torch.utils._pytree.tree_unflatten(flat, spec)
 
 
-@dataclass
-class Timing:
-    """Per-variant call times (the first of each is a warm-up and not counted)."""
-
-    compiled: list[float]
-    replayed: list[float]
-
-    def best(self, compiled: bool) -> float:
-        return min((self.compiled if compiled else self.replayed)[1:])
-
-
-class ChoosingRunner:
-    """Runs a graph compiled or op by op, whichever measures faster.
-
-    The first calls alternate between the two (after one warm-up call of each)
-    and time them; then the faster one runs from there on. Both compute the
-    same functional graph, so which ran is invisible to the caller.
-
-    A few timed calls can be misled by a noisy machine (a burst of other work
-    makes either variant look up to twice as slow), so when the two came out
-    within ``CLOSE`` of each other the choice is checked again now and then:
-    one timed call of each, the best time of each so far decides. The checks
-    grow rarer when they confirm the choice (every ``RECHECK_EVERY`` calls,
-    then twice that, ...), so their cost - the slower variant run once -
-    fades out.
-    """
-
-    TRIALS = 3
-    CALLS_TO_CHOOSE = 2 * (TRIALS + 1)  # each variant: a warm-up call, then TRIALS timed
-    CLOSE = 2.0  # best-time ratio below which a choice is checked again
-    # Calls after the choice until the first check ends, doubled after each check that confirms
-    # the choice; at least 2, since a check is two timed calls.
-    RECHECK_EVERY = 50
+class ChoosingRunner(TimedChoice):
+    """Runs a graph compiled or op by op, whichever measures faster (the
+    policy is TimedChoice's: variant 0 compiled, 1 op by op; each timed call
+    synchronizes the tpu around it). Both compute the same functional graph,
+    so which ran is invisible to the caller."""
 
     def __init__(self, compiled: Callable[..., Any], replay: Callable[..., Any], name: str = "graph") -> None:
-        self.compiled = compiled
-        self.replay = replay
-        self.name = name
-        self.timing = Timing([], [])
-        self.chosen: Callable[..., Any] | None = None
+        super().__init__(name, ("compiled", "op by op"))
+        self._variants = (compiled, replay)
         self.last_ran_compiled = False
-        self._calls = 0
-        self._recheck_every = 0  # set at the first choice (a test may set RECHECK_EVERY on the instance)
-        self._until_check: int | None = None  # calls until the next check's end; None: no checks
 
     def __call__(self, *args: Any) -> Any:
-        if self.chosen is None:
-            use_compiled = self._calls % 2 == 0
-            self._calls += 1
-            out = self._timed(use_compiled, args)
-            if min(len(self.timing.compiled), len(self.timing.replayed)) > self.TRIALS:
-                self._choose()
-            return out
-        if self._until_check is not None:
-            self._until_check -= 1
-            if self._until_check == 1:  # a check: this call times the other variant, the next the chosen
-                return self._timed(self.chosen is not self.compiled, args)
-            if self._until_check == 0:
-                out = self._timed(self.chosen is self.compiled, args)
-                self._choose()
-                return out
-        self.last_ran_compiled = self.chosen is self.compiled
-        return self.chosen(*args)
-
-    def _timed(self, use_compiled: bool, args: tuple) -> Any:
-        self.last_ran_compiled = use_compiled
-        run = self.compiled if use_compiled else self.replay
+        variant, timed = self.next()
+        self.last_ran_compiled = variant == 0
+        run = self._variants[variant]
+        if not timed:
+            return run(*args)
         torch.tpu.synchronize()
         start = time.perf_counter()
         out = run(*args)
         torch.tpu.synchronize()
-        (self.timing.compiled if use_compiled else self.timing.replayed).append(time.perf_counter() - start)
+        self.report(variant, time.perf_counter() - start)
         return out
-
-    def _choose(self) -> None:
-        compiled, replayed = self.timing.best(True), self.timing.best(False)
-        previous = self.chosen
-        self.chosen = self.compiled if compiled <= replayed else self.replay
-        if previous is self.chosen:
-            self._recheck_every *= 2  # the check confirmed the choice
-        else:
-            if previous is None:
-                self._recheck_every = self.RECHECK_EVERY
-            logger.info("%s: compiled %.3f ms, op by op %.3f ms: %s %s", self.name, compiled * 1e3,
-                        replayed * 1e3, "runs" if previous is None else "checked again, now runs",
-                        "compiled" if self.chosen is self.compiled else "op by op")
-        close = max(compiled, replayed) < self.CLOSE * min(compiled, replayed)
-        self._until_check = self._recheck_every if close else None
 
     @property
     def runs_compiled(self) -> bool | None:
         """True/False once chosen; None while still measuring."""
-        return None if self.chosen is None else self.chosen is self.compiled
+        return None if self.chosen is None else self.chosen == 0
 
 
 def compile_graph(

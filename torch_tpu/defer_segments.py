@@ -1,0 +1,147 @@
+"""DeferAndFuse's segments: the ops between two materializations, recorded or run eagerly.
+
+Recording an op costs Python time (20-50 us: the dispatch mode, the graph's
+bookkeeping), about what Strict spends running a small op, so a graph that
+compiles to little gain - or runs op by op - makes a step slower than
+Strict. Which is faster can only be measured: the whole cycle (recording,
+the user's code in between, the graph's run) against the same ops run
+eagerly, as Strict would.
+
+A *segment* is the sequence of ops DeferAndFuse saw (by OpOverload) from one
+materialization of a graph to the next: a training step that ends in a sync
+point, the period the repeat detector cuts. Once a segment has run recorded
+``MIN_SETTLED_RUNS`` times with its graph settled (compiled and its runner
+chosen, or never to be compiled), its next occurrences go through a
+TimedChoice between recorded and eager - predicted from which segment
+followed the last one, each op checked against the prediction as it comes.
+An eager segment runs Strict's kernels on real memory, op by op, recording
+nothing; an op that departs from the prediction ends it, and recording
+starts there. Either way the results are Strict's (op-by-op replay and eager
+run the same kernels) or the compiled graph's, as before.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torch_tpu.timed_choice import TimedChoice
+
+RECORDED, EAGER = 0, 1
+# Ops autograd issues on pending tensors and not on real ones (or the other
+# way round): metadata only, so they run as they come in an eager segment and
+# are not part of a segment's ops.
+UNMATCHED = frozenset([torch.ops.aten.detach.default, torch.ops.aten.alias.default])
+LOOKAHEAD = 8  # recorded ops an eager segment may skip at once (see Segments.expects)
+
+
+@dataclass(slots=True, eq=False)
+class _Segment:
+    ops: tuple
+    settled_runs: int = 0
+    choice: TimedChoice | None = None
+
+
+class Segments:
+    """The current segment, what followed what, and the recorded-or-eager choice per segment."""
+
+    MIN_SETTLED_RUNS = 16  # recorded runs with a settled graph before a segment's choice starts
+    MAX_KNOWN = 1000  # segments remembered (a loop whose segments never recur would grow without end)
+
+    def __init__(self, max_ops: int) -> None:
+        self.max_ops = max_ops  # a longer log is no segment worth choosing for (no graph that long)
+        self.log: list[Any] = []  # the ops of the current segment, while it is recorded
+        self.eager: _Segment | None = None  # the segment running eagerly now
+        self.pos = 0  # its next op
+        self.known: dict[tuple, _Segment] = {}
+        self.followed_by: dict[tuple, tuple] = {}
+        self._last: tuple | None = None
+        self._start: float | None = None  # when the current segment began; None: not to be timed
+        self._timed: tuple[_Segment, int] | None = None  # the (segment, variant) the current run times
+
+    # ---- recorded segments ----
+
+    def log_op(self, func: Any) -> None:
+        """``func`` comes to the recording (recorded or run eagerly there)."""
+        if func in UNMATCHED:
+            return
+        log = self.log
+        log.append(func)
+        if len(log) > self.max_ops:
+            log.clear()
+            self._start = self._last = None
+
+    def materialized(self, settled: bool) -> None:
+        """A recorded segment ends: its graph ran; ``settled``: as it will from now on."""
+        ops = tuple(self.log)
+        self.log = []
+        self._ended(ops, RECORDED, settled)
+
+    # ---- eager segments ----
+
+    def expects(self, func: Any) -> bool:
+        """Whether ``func`` is the eager segment's next op - or one of the few after
+        it, the ones between skipped: autograd copies a gradient whose recorded
+        strides (from a meta kernel) differ from its parameter's
+        (new_empty_strided, copy_), which the real kernel's output does not need."""
+        ops, pos = self.eager.ops, self.pos
+        if ops[pos] is func:
+            return True
+        for j in range(pos + 1, min(pos + 1 + LOOKAHEAD, len(ops))):
+            if ops[j] is func:
+                self.pos = j
+                return True
+        return False
+
+    def ran_eagerly(self) -> bool:
+        """The expected op ran; whether it ended the segment."""
+        self.pos += 1
+        segment = self.eager
+        if self.pos < len(segment.ops):
+            return False
+        self.eager = None
+        self._ended(segment.ops, EAGER, False)
+        return True
+
+    def diverged(self) -> None:
+        """An op other than the expected came (or the expected one failed): the
+        rest of the segment is recorded, untimed."""
+        self.log = list(self.eager.ops[:self.pos])
+        self.eager = None
+        self._start = self._timed = None
+
+    # ----
+
+    def _ended(self, ops: tuple, variant: int, settled: bool) -> None:
+        now = time.perf_counter()
+        segment = self.known.get(ops)
+        if segment is None and variant == RECORDED and ops:
+            if len(self.known) >= self.MAX_KNOWN:
+                self.known.clear()
+                self.followed_by.clear()
+            segment = self.known[ops] = _Segment(ops)
+        timed = self._timed
+        if timed is not None and self._start is not None and timed[0] is segment and timed[1] == variant:
+            segment.choice.report(variant, now - self._start)
+        self._timed = None
+        if segment is not None and variant == RECORDED and settled:
+            segment.settled_runs += 1
+        if self._last is not None:
+            self.followed_by[self._last] = ops
+        self._last, self._start = ops, now
+        self._plan(self.known.get(self.followed_by.get(ops)))
+
+    def _plan(self, upcoming: _Segment | None) -> None:
+        """How the segment predicted to come next runs."""
+        if upcoming is None or upcoming.settled_runs < self.MIN_SETTLED_RUNS:
+            return
+        if upcoming.choice is None:
+            upcoming.choice = TimedChoice(f"DeferAndFuse segment of {len(upcoming.ops)} ops", ("recorded", "eager"))
+        variant, timed = upcoming.choice.next()
+        if timed:
+            self._timed = (upcoming, variant)
+        if variant == EAGER:
+            self.eager, self.pos = upcoming, 0
