@@ -69,9 +69,13 @@ struct Coo {
 
 // Asks for [p, p + bytes) ahead of use, to read. Random rows come from DRAM,
 // and keeping several requests in flight is what makes a gather fast.
+// prefetcht2 (locality 1), not prefetchnta: on a Sapphire Rapids core the
+// non-temporal hint made the COO lookup 2.7x slower than T2 (d64, batch 8192,
+// pooling 20, uniform: 60.1 vs 23.0 ms; pooling 100: 286 vs 94 ms) and 2x
+// slower than no prefetch at all; T2 beat T0 and no prefetch everywhere.
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(c + offset, 0, 0);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(c + offset, 0, 1);
 }
 
 // Calls f(std::integral_constant<int64_t, K>{}) with K = dim for the common
