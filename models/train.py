@@ -611,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
         d = summary["defer_and_fuse"]
         print(f"DeferAndFuse: {d['graphs_per_step']:.1f} graphs per step, {d['ops_per_graph']:.0f} ops per graph, "
               f"{d['compiled_share']:.0%} of graph runs compiled, {d['eager_share']:.0%} of segments run eagerly "
-              f"(faster so); ops that fell back (not recorded): {d['not_recorded'] or 'none'}")
+              f"(measured faster); ops that fell back (not recorded): {d['not_recorded'] or 'none'}")
     if summary["interrupted"]:
         print(f"interrupted at step {summary['steps']}; resume with --resume")
     return 0

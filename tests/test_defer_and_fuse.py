@@ -33,7 +33,7 @@ def strict_after(monkeypatch):
     test asks for compiles."""
     monkeypatch.setenv(COMPILE, "off")
     monkeypatch.setattr(defer.engine(), "graphs", deferred_graph.GraphCache())
-    monkeypatch.setattr(defer.engine(), "segments", defer_segments.Segments(4 * defer.MAX_OPS))
+    monkeypatch.setattr(defer.engine(), "segments", defer_segments.Segments(defer.engine().segments.max_ops))
     defer.reset_stats()
     yield
     torch_tpu.set_eager_mode("strict")

@@ -309,7 +309,7 @@ class _Engine:
         with self.lock:
             segments = self.segments
             if segments.eager is not None:
-                if segments.expects(func):
+                if segments.advance_to(func):
                     return self.run_eagerly(func, args, kwargs)
                 self._leave_eager_segment()
             segments.log_op(func)
@@ -667,7 +667,7 @@ class _Engine:
             self.stats.graphs += 1
             self.stats.materialized_by[reason] += 1
             with _no_dispatch_modes(), torch.no_grad():
-                values, compiled = self.graphs.run(g, outputs)
+                values, compiled, settled = self.graphs.run(g, outputs)
                 if compiled:
                     self.stats.compiled_runs += 1
                 else:
@@ -677,7 +677,7 @@ class _Engine:
                         _copy_unversioned(b.tensor, value)
                     del value
                 del values
-            self.segments.materialized(self.graphs.last_settled)
+            self.segments.materialized(settled)
 
 
 class _Repeats:

@@ -35,7 +35,7 @@ RECORDED, EAGER = 0, 1
 # way round): metadata only, so they run as they come in an eager segment and
 # are not part of a segment's ops.
 UNMATCHED = frozenset([torch.ops.aten.detach.default, torch.ops.aten.alias.default])
-LOOKAHEAD = 8  # recorded ops an eager segment may skip at once (see Segments.expects)
+LOOKAHEAD = 8  # recorded ops an eager segment may skip at once (see Segments.advance_to)
 
 
 @dataclass(slots=True, eq=False)
@@ -82,11 +82,12 @@ class Segments:
 
     # ---- eager segments ----
 
-    def expects(self, func: Any) -> bool:
+    def advance_to(self, func: Any) -> bool:
         """Whether ``func`` is the eager segment's next op - or one of the few after
-        it, the ones between skipped: autograd copies a gradient whose recorded
-        strides (from a meta kernel) differ from its parameter's
-        (new_empty_strided, copy_), which the real kernel's output does not need."""
+        it, which the segment then moves to, skipping the ones between: autograd
+        copies a gradient whose recorded strides (from a meta kernel) differ
+        from its parameter's (new_empty_strided, copy_), which the real
+        kernel's output does not need."""
         ops, pos = self.eager.ops, self.pos
         if ops[pos] is func:
             return True

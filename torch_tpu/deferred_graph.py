@@ -224,7 +224,6 @@ class GraphCache:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._warned = False
-        self.last_settled = False  # whether the graph run last runs as it will from now on (_Entry.settled)
 
     @staticmethod
     def compile_mode() -> str:
@@ -233,8 +232,9 @@ class GraphCache:
             raise ValueError(f"{COMPILE_VARIABLE}={mode!r}: expected one of {COMPILE_MODES}")
         return mode
 
-    def run(self, graph: Any, outputs: list[tuple]) -> tuple[list[torch.Tensor], bool]:
-        """The output values, and whether the compiled graph produced them."""
+    def run(self, graph: Any, outputs: list[tuple]) -> tuple[list[torch.Tensor], bool, bool]:
+        """The output values, whether the compiled graph produced them, and
+        whether the graph now runs as it will from now on (_Entry.settled)."""
         key = graph_key(graph, outputs)
         entry = self.entries.get(key)
         if entry is None:
@@ -245,9 +245,8 @@ class GraphCache:
         if entry.written is None:
             entry.written = written_inputs(graph)
         with versions_kept([graph.inputs[k] for k in entry.written]):
-            result = self._run(entry, graph, outputs)
-        self.last_settled = entry.settled()
-        return result
+            values, compiled = self._run(entry, graph, outputs)
+        return values, compiled, entry.settled()
 
     def _run(self, entry: _Entry, graph: Any, outputs: list[tuple]) -> tuple[list[torch.Tensor], bool]:
         if entry.runs == COMPILE_AT_RUN:

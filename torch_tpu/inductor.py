@@ -37,9 +37,9 @@ import torch
 import torch.fx
 
 from torch_tpu.compile_cache import compile_cache, graph_key
-from torch_tpu.timed_choice import TimedChoice
 from torch_tpu.graph_ops import is_graph_op
 from torch_tpu.scalar_hoisting import hoist_scalar_math
+from torch_tpu.timed_choice import TimedChoice
 
 logger = logging.getLogger(__name__)
 

@@ -128,6 +128,8 @@ at::Tensor bf16_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
 }
 
 at::Tensor bf16_bmm(const at::Tensor& a, const at::Tensor& b) {
+  // oneDNN takes batched matmuls only on AMX; without AMX or the kernel,
+  // callers keep their small-matrix and rounding paths.
   if (a.dim() != 3 || b.dim() != 3 || a.scalar_type() != at::kFloat || b.scalar_type() != at::kFloat ||
       !(bf16_kernel_in_use() || (cpu_has_amx_bf16() && onednn_bf16_available()))) {
     return {};
