@@ -24,6 +24,14 @@ on batch 8192, pooling 1 and 20 by default (``--subset-shapes``; ``all`` for
 every shape): the SparseAdam anchor alone takes ~1 s per million ids here.
 The full grid takes about 5 minutes on the 2-core development machine (--quick: 40 s).
 
+The forward is an inference lookup (``torch.inference_mode``; FBGEMM's
+training TBE, which has no kernel in that mode, under ``torch.no_grad``):
+the engine validates the ids and checks the SparseCore limits inside the
+timed region but builds no COO buffers, which no backward will read
+(sparsecore.inference). "engine COO path" is the engine's forward under
+``torch.no_grad`` instead: the host preprocessing into COO buffers that a
+training step's forward does, then the lookup of those buffers.
+
 Per cell: ms/iteration (min over interleaved rounds after one warm-up;
 large cells get fewer rounds, see ``--cell-budget``), lookups/s, GB/s of
 gathered rows (total ids x dim x 4 B / time), the unique/total id ratio,
@@ -101,7 +109,7 @@ PHASE_TITLES = {
     "adam": "forward + backward + Adam (lazy, as SparseAdam)",
 }
 SYSTEM_TITLES = {
-    "engine": "engine", "engine_pre": "engine preprocessing", "aten": "ATen", "fbgemm": "FBGEMM",
+    "engine": "engine", "engine_coo": "engine COO path", "aten": "ATen", "fbgemm": "FBGEMM",
     "sparse_adam": "EB+SparseAdam",
 }
 
@@ -279,6 +287,15 @@ def build_sparse_adam(dim: int, rows: list[int] = TABLE_ROWS):
 
 def engine_forward(engine, data) -> Callable[[], None]:
     def run() -> None:
+        with torch.inference_mode():
+            engine(data["kjt"]).values()
+        sync()
+    return run
+
+
+def engine_coo_forward(engine, data) -> Callable[[], None]:
+    """The forward of a training step without autograd: preprocessing into COO buffers, then their lookup."""
+    def run() -> None:
         with torch.no_grad():
             engine(data["kjt"]).values()
         sync()
@@ -292,22 +309,16 @@ def engine_train(engine, data, grad) -> Callable[[], None]:
     return run
 
 
-def engine_preprocess(engine, data) -> Callable[[], None]:
-    """The host part of the engine's forward alone (KJT -> COO buffers), to show where its time goes."""
-    def run() -> None:
-        engine.preprocess(data["kjt"])
-    return run
-
-
 def aten_forward(weights, data) -> Callable[[], None]:
     def run() -> None:
-        with torch.no_grad():
+        with torch.inference_mode():
             torch.cat([F.embedding_bag(ids, w, data["bag_offsets"], mode="sum")
                        for ids, w in zip(data["table_ids"], weights)], dim=1)
     return run
 
 
 def tbe_forward(tbe, data) -> Callable[[], None]:
+    # no_grad: the training TBE has no kernel under inference_mode (only its autograd one).
     def run() -> None:
         with torch.no_grad():
             tbe(data["indices"], data["offsets"])
@@ -353,8 +364,8 @@ def _ms(fn: Callable[[], None]) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def measure(systems: dict[str, Callable[[], None]], max_rounds: int, budget_s: float, warmup: int,
-            unwarmed: frozenset[str] = frozenset()) -> tuple[dict[str, float], int]:
+def measure(systems: dict[str, Callable[[], None]], max_rounds: int, budget_s: float,
+            warmup: int) -> tuple[dict[str, float], int]:
     """Min ms per system over interleaved rounds, after `warmup` untimed calls each.
 
     Rounds: max_rounds, fewer (at least 1) when a round would not fit in budget_s. When the
@@ -362,15 +373,12 @@ def measure(systems: dict[str, Callable[[], None]], max_rounds: int, budget_s: f
     and that call decides: on this machine a first call can be several times slower than the
     next (a new batch of the Adam engine: 139 ms, then 29 and 26), and one cold estimate
     would leave the cell a single round. Past the budget a cell gets one round regardless.
-    unwarmed: systems whose warm-up another system's already covers.
     """
     gc.collect()
     gc.disable()
     try:
         last = {}
         for name, fn in systems.items():
-            if name in unwarmed:
-                continue
             for _ in range(warmup):
                 last[name] = _ms(fn)
         per_round = sum(last.values()) / 1e3
@@ -448,10 +456,12 @@ def check_correctness(seed: int = 0) -> dict[str, str]:
                 view.copy_(w)
         return tbe
 
-    with torch.no_grad():
-        engine = engine_with(None)
+    engine = engine_with(None)
+    with torch.no_grad():  # the COO path: preprocessing, then the lookup of its buffers
+        close("engine forward (COO path) vs ATen embedding_bag", engine(kjt).values(), expected)
+    with torch.inference_mode():
         out = engine(kjt).values()
-        close("engine forward vs ATen embedding_bag", out, expected)
+        close("engine forward (inference lookup) vs ATen embedding_bag", out, expected)
     seen["engine"] = f"tables {_where(engine.table_weight('t0'))}, pooled output {_where(out)}"
     seen["aten"] = f"tables {_where(weights[0])}, pooled output {_where(expected)}"
     for phase in ("rowwise_adagrad", "sgd"):
@@ -503,7 +513,7 @@ def describe_sides(seen: dict[str, str]) -> list[str]:
     return [
         f"engine: sparsecore SparseCoreEmbeddingBagCollection, device tpu ({props.name}, "
         f"{props.sparsecores_per_chip} SparseCores, memory on the host); {seen.get('engine', unseen)}; "
-        f"fp32 accumulation and optimizer math; host preprocessing inside the timed region",
+        f"fp32 accumulation and optimizer math; host work inside the timed region (forward: an inference lookup under torch.inference_mode, ids validated and limits checked, no COO buffers; training phases and the COO path: preprocessing into COO buffers)",
         f"ATen: torch.nn.functional.embedding_bag(mode='sum'), one call per table + torch.cat, device cpu; "
         f"{seen.get('aten', unseen)} (torch {torch.__version__}, {torch.get_num_threads()} threads)",
         f"FBGEMM: SplitTableBatchedEmbeddingBagsCodegen (fbgemm_gpu {fbgemm_gpu.__version__}), device cpu, "
@@ -541,8 +551,6 @@ def row_for(phase: str, cell: Cell, inputs: Inputs, ms: dict[str, float], rounds
     gathered = inputs.total * cell.dim * 4
     for system, value in ms.items():
         row[f"{system}_ms"] = value
-        if system == "engine_pre":
-            continue
         row[f"{system}_mlookups_s"] = inputs.total / value / 1e3
         row[f"{system}_gbps"] = gathered / value / 1e6
     if "engine" in ms:
@@ -592,8 +600,8 @@ class Runner:
         self.memory: list[dict] = []
         self.bar: tqdm | None = None
 
-    def _measure(self, systems, unwarmed: frozenset[str] = frozenset()) -> tuple[dict[str, float], int]:
-        return measure(systems, self.args.iters, self.args.cell_budget, self.args.warmup, unwarmed)
+    def _measure(self, systems) -> tuple[dict[str, float], int]:
+        return measure(systems, self.args.iters, self.args.cell_budget, self.args.warmup)
 
     def _record(self, phase: str, cell: Cell, ms: dict[str, float], rounds: int) -> None:
         key = (phase, cell.label)
@@ -665,11 +673,11 @@ class Runner:
                 systems = {}
                 if engine is not None:
                     systems["engine"] = engine_forward(engine, data)
-                    systems["engine_pre"] = engine_preprocess(engine, data)
+                    systems["engine_coo"] = engine_coo_forward(engine, data)
                 if tbe is not None:
                     systems["aten"] = aten_forward(weights, data)
                     systems["fbgemm"] = tbe_forward(tbe, data)
-                self._record("forward", cell, *self._measure(systems, unwarmed=frozenset({"engine_pre"})))  # warmed by "engine"
+                self._record("forward", cell, *self._measure(systems))
             if group != "main" or "rowwise_adagrad" in phases:
                 systems = {}
                 if engine is not None:
@@ -722,7 +730,7 @@ def phase_columns(phase: str, rows: list[dict]) -> list[tuple[str, str]]:
     systems = ["engine", *ANCHORS[phase]]
     cols = [("dim", "dim"), ("batch", "batch"), ("pooling", "pool"), ("dist", "ids"), ("unique_ratio", "uniq/total")]
     cols += [(f"{s}_ms", f"{SYSTEM_TITLES[s]} ms") for s in systems]
-    cols.insert(6, ("engine_pre_ms", "of which preprocessing ms"))
+    cols.insert(6, ("engine_coo_ms", "engine COO path ms"))
     cols += [("engine_mlookups_s", "engine Mlookups/s")]
     cols += [(f"{s}_gbps", f"{SYSTEM_TITLES[s]} GB/s") for s in systems]
     for anchor in ANCHORS[phase]:

@@ -35,6 +35,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConf
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from sparsecore.collection import SparseCoreCollection
+from sparsecore.inference import inference_lookups
 from sparsecore.preprocess import PreprocessedBatch
 
 
@@ -53,11 +54,29 @@ class SparseCoreEmbeddingBagCollection(SparseCoreCollection):
         return [t.config for t in self._configs]
 
     def forward(self, features: KeyedJaggedTensor | PreprocessedBatch) -> KeyedTensor:
-        """Pooled embeddings of every feature: TorchRec's keys and order, (B, sum of dims)."""
+        """Pooled embeddings of every feature: TorchRec's keys and order, (B, sum of dims).
+
+        Under ``torch.inference_mode`` a KJT is looked up without building COO buffers
+        (sparsecore.inference, which says what that keeps and what it skips)."""
+        if self._serves_inference(features):
+            self.wait_for_updates()
+            rows = inference_lookups(features, self._stacks, {s.name: self._weights[s.name] for s in self._stacks})
+            if rows is not None:
+                return self._keyed(features.stride(), rows)
         return super().forward(features)
 
+    def _serves_inference(self, features: KeyedJaggedTensor | PreprocessedBatch) -> bool:
+        # is_compiling first: a traced step keeps the lookups in its graph, and Dynamo
+        # does not trace is_inference_mode_enabled.
+        return (not torch.compiler.is_compiling() and torch.is_inference_mode_enabled()
+                and isinstance(features, KeyedJaggedTensor) and self._device.type != "meta"
+                and (self._prefetched is None or self._prefetched[0] is not features))
+
     def _assemble(self, batch: PreprocessedBatch, outputs: dict[str, torch.Tensor]) -> KeyedTensor:
-        size = batch.batch_size
+        return self._keyed(batch.batch_size, outputs)
+
+    def _keyed(self, size: int, outputs: dict[str, torch.Tensor]) -> KeyedTensor:
+        """The stacks' (bags, dim) rows as TorchRec's KeyedTensor of a batch of ``size``."""
         # The lookup writes a stack's bags straight into its (B, features x dim)
         # block (sparsecore.kernels): a view, no copy in either direction.
         blocks = [outputs[s.name].view(size, len(s.feature_names) * s.embedding_dim) for s in self._stacks]

@@ -256,30 +256,43 @@ batch 8192, dim 64, the forward took 8.5 ms instead of 10.6 at 1 id a bag and 13
 fetched faster by the lookup over the finished buffers."""
 
 
-def _preprocess_pooled(stack: StackSpec, kjt: "KjtView", allow_id_dropping: bool, device: torch.device,
-                       weight: torch.Tensor | None) -> tuple[StackBatch, torch.Tensor | None]:
-    """Pooled stacks: the C++ pass (sparsecore/csrc/Preprocess.cpp), reading the KJT in place. With
-    ``weight`` (the stack's table) the pass also does the stack's lookup, as each bag is merged,
-    and returns its rows (None if ids were dropped: the kept ones are then looked up apart)."""
+def pooled_stack_args(stack: StackSpec, kjt: "KjtView") -> tuple[list[tuple], tuple]:
+    """The stack's slots ((table, feature) in stack order) and what the C++ passes over a
+    pooled stack take of the KJT and the stack: values, lengths, weights (empty if none),
+    then per slot its feature's index, table size, rotation, row offset and combiner, then
+    the SparseCores, batch size and rows per SparseCore."""
     slots = [(table, feature) for table in stack.tables for feature in table.feature_names]
     placements = [stack.placements[table.name] for table, _ in slots]
-    args = (
+    return slots, (
         kjt.values, kjt.lengths, kjt.weights if kjt.weights is not None else torch.empty(0),
         [kjt.index[f] for _, f in slots], [t.num_embeddings for t, _ in slots],
         [p.rotation for p in placements], [p.row_offset for p in placements],
         [_COMBINERS[t.combiner_name] for t, _ in slots],
         stack.num_sparsecores, kjt.batch_size, stack.rows_per_sparsecore,
-        stack.max_ids_per_partition, stack.max_unique_ids_per_partition, allow_id_dropping, device,
     )
+
+
+def out_of_range(slots: list[tuple], bad_slot: int, bad_id: int) -> InputError:
+    """The error for an id a C++ pass found outside its table (``bad_slot`` indexes ``slots``)."""
+    table, feature = slots[bad_slot]
+    return InputError(f"feature {feature!r} (table {table.name!r}): id {bad_id} is out of range; "
+                      f"expected 0 <= id < {table.num_embeddings}")
+
+
+def _preprocess_pooled(stack: StackSpec, kjt: "KjtView", allow_id_dropping: bool, device: torch.device,
+                       weight: torch.Tensor | None) -> tuple[StackBatch, torch.Tensor | None]:
+    """Pooled stacks: the C++ pass (sparsecore/csrc/Preprocess.cpp), reading the KJT in place. With
+    ``weight`` (the stack's table) the pass also does the stack's lookup, as each bag is merged,
+    and returns its rows (None if ids were dropped: the kept ones are then looked up apart)."""
+    slots, common = pooled_stack_args(stack, kjt)
+    args = (*common, stack.max_ids_per_partition, stack.max_unique_ids_per_partition, allow_id_dropping, device)
     if weight is None:
         result, rows = torch.ops.sparsecore.preprocess_pooled(*args), None
     else:
         *result, rows = torch.ops.sparsecore.preprocess_lookup_pooled(weight, *args)
     (row_pointers, embedding_ids, sample_ids, gains, counts, dropped, bad_slot, bad_id) = result
     if bad_slot >= 0:
-        table, feature = slots[bad_slot]
-        raise InputError(f"feature {feature!r} (table {table.name!r}): id {bad_id} is out of range; "
-                         f"expected 0 <= id < {table.num_embeddings}")
+        raise out_of_range(slots, bad_slot, bad_id)
     ids, unique = counts[..., 0].flatten(), counts[..., 1].flatten()
     if not allow_id_dropping and (int(ids.max()) > stack.max_ids_per_partition or int(unique.max()) > stack.max_unique_ids_per_partition):
         raise _limit_error(stack, ids, unique)
@@ -335,7 +348,7 @@ class KjtView:
         return self.values[start:start + self.ids_per_key[i]].long(), self.lengths[i]
 
 
-def _view_kjt(kjt: KeyedJaggedTensor, stacks: Sequence[StackSpec]) -> KjtView:
+def view_kjt(kjt: KeyedJaggedTensor, stacks: Sequence[StackSpec]) -> KjtView:
     known = _feature_tables(stacks)
     keys = kjt.keys()
     unknown = [k for k in keys if k not in known]
@@ -389,7 +402,7 @@ def preprocess_and_look_up(
     tables) done while their buffers are built: per such stack, what ``sparsecore.kernels.lookup``
     of its buffers returns, to the bit. Only stacks whose bags are short (see
     LOOKUP_IN_PASS_MAX_IDS_PER_BAG) and that dropped no ids have rows here."""
-    view = _view_kjt(kjt, stacks)
+    view = view_kjt(kjt, stacks)
     lengths: dict[str, torch.Tensor] = {}
     built, rows = {}, {}
     for stack in stacks:

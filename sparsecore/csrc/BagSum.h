@@ -1,7 +1,8 @@
 #pragma once
 // Summing a bag's rows into its output row: shared by the COO lookup
 // (Lookup.cpp) and the lookup fused into preprocessing (Preprocess.cpp), so
-// that both give the same bits for the same entries in the same order.
+// that both give the same bits for the same entries in the same order, and
+// by the inference lookup (InferenceLookup.cpp).
 
 #include <cstdint>
 #include <type_traits>

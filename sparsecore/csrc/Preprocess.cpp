@@ -14,6 +14,7 @@
 // still in cache, so the lookup never reads the COO buffers back.
 
 #include "BagSum.h"
+#include "Bags.h"
 #include "Layout.h"
 #include "ThreadPool.h"
 
@@ -39,25 +40,6 @@
 namespace sparsecore {
 namespace {
 
-
-enum Combiner : int64_t { kSum = 0, kMean = 1, kSqrtn = 2 };
-
-// id -> (owner, row) under mod sharding; shifts and masks when n is a power
-// of two (the common case), since a division per id costs more than the rest.
-class ShardMap {
- public:
-  explicit ShardMap(int64_t n) : n_(n), pow2_((n & (n - 1)) == 0) {
-    while ((int64_t{1} << shift_) < n) ++shift_;
-  }
-  int64_t owner(int64_t id) const { return pow2_ ? (id & (n_ - 1)) : id % n_; }
-  int64_t row(int64_t id) const { return pow2_ ? (id >> shift_) : id / n_; }
-
- private:
-  int64_t n_;
-  bool pow2_;
-  int shift_ = 0;
-};
-
 // One merged (row, bag) of a partition, as pass 1 stages it.
 struct Staged {
   int32_t partition;
@@ -68,61 +50,6 @@ struct Staged {
 
 inline uint64_t key_of(const Staged& x) {
   return static_cast<uint64_t>(static_cast<uint32_t>(x.partition)) << 32 | static_cast<uint32_t>(x.row);
-}
-
-// Walks a stack's bags k = slot * batch_size + b in order without dividing
-// per bag (a division costs more than a one-id bag's other work), keeping the
-// receiving SparseCore of sample b: the owner-0 partition of its batch slice.
-class BagCursor {
- public:
-  BagCursor(int64_t k_begin, int64_t batch_size, int64_t slice, int64_t n)
-      : k(k_begin), slot(batch_size > 0 ? k_begin / batch_size : 0), b(batch_size > 0 ? k_begin % batch_size : 0),
-        batch_size_(batch_size), slice_(slice), n_(n) {  // slice >= 1; an empty batch has no bags to walk
-    find_receiver();
-  }
-  void next() {
-    ++k;
-    if (++b == batch_size_) {
-      b = 0;
-      ++slot;
-    }
-    if (b == 0 || b == receiver_end_) find_receiver();
-  }
-
-  int64_t k, slot, b;
-  int32_t receiver_base = 0;
-
- private:
-  void find_receiver() {
-    const int64_t receiver = b / slice_;
-    receiver_base = static_cast<int32_t>(receiver * n_);
-    receiver_end_ = std::min((receiver + 1) * slice_, batch_size_);
-  }
-  int64_t batch_size_, slice_, n_;
-  int64_t receiver_end_ = 0;
-};
-
-// Runs f(claim) on every kernel thread; each takes chunks one at a time with
-// `for (int64_t c; claim(c);)` until none is left. Chunks of the same size
-// cost unequally (a small table's rows stay in cache, a large one's do not),
-// so an even split in advance leaves one thread waiting for the other.
-class ChunkClaim {
- public:
-  explicit ChunkClaim(int64_t num_chunks) : num_chunks_(num_chunks) {}
-  bool operator()(int64_t& chunk) const {
-    chunk = next_.fetch_add(1, std::memory_order_relaxed);
-    return chunk < num_chunks_;
-  }
-
- private:
-  int64_t num_chunks_;
-  mutable std::atomic<int64_t> next_{0};
-};
-
-template <typename F>
-void for_each_chunk(int64_t num_chunks, const F& f) {
-  const ChunkClaim claim(num_chunks);
-  parallel_for(0, std::min(num_chunks, kernel_threads()), 1, [&](int64_t, int64_t) { f(claim); });
 }
 
 // Pass 1's output for one chunk: grown, never shrunk or value-initialised
@@ -356,23 +283,6 @@ class FusedLookup {
   float* out_;
 };
 
-// Gains of one bag's ids: weight times the combiner's scale.
-void bag_gains(const float* weights, int64_t begin, int64_t length, int64_t combiner, std::vector<float>& out) {
-  out.resize(length);
-  double sq = 0;
-  for (int64_t i = 0; i < length; ++i) {
-    out[i] = weights ? weights[begin + i] : 1.0f;
-    sq += static_cast<double>(out[i]) * out[i];
-  }
-  float scale = 1.0f;
-  if (combiner == kMean) {
-    scale = length > 0 ? 1.0f / static_cast<float>(length) : 0.0f;
-  } else if (combiner == kSqrtn) {
-    scale = sq > 0 ? static_cast<float>(1.0 / std::sqrt(sq)) : 0.0f;
-  }
-  for (auto& g : out) g *= scale;
-}
-
 // A partition's entries after the limits, for the (rare) dropping path.
 struct Entry {
   int32_t row;
@@ -477,8 +387,7 @@ Preprocessed preprocess_impl(
   const int64_t slots = static_cast<int64_t>(features.size());
 
   // Start of every bag of the whole KJT (feature-major).
-  std::vector<int64_t> starts(l.numel() + 1, 0);
-  for (int64_t i = 0; i < l.numel(); ++i) starts[i + 1] = starts[i] + lens[i];
+  const std::vector<int64_t> starts = bag_starts(lens, l.numel());
   TORCH_CHECK(starts.back() == v.numel(), "preprocess_pooled: lengths sum to ", starts.back(),
               " but there are ", v.numel(), " ids");
 
@@ -532,13 +441,11 @@ Preprocessed preprocess_impl(
         // The bag is checked in a loop of its own, with no branch per id, so
         // that this loop and the one staging the bag vectorize (about 5%
         // off preprocessing, measured); nothing of a bad bag is staged.
-        auto outside = [limit](index_t id) {  // negatives wrap high
-          return static_cast<uint64_t>(id) >= static_cast<uint64_t>(limit);
-        };
         bool in_range = true;
-        for (int64_t i = 0; i < length; ++i) in_range &= !outside(ids[begin + i]);
+        for (int64_t i = 0; i < length; ++i) in_range &= !outside(ids[begin + i], limit);
         if (!in_range) {
-          const index_t* first_bad = std::find_if(ids + begin, ids + begin + length, outside);
+          const index_t* first_bad =
+              std::find_if(ids + begin, ids + begin + length, [limit](index_t id) { return outside(id, limit); });
           bad[2 * c] = j;
           bad[2 * c + 1] = static_cast<int64_t>(*first_bad);
           return;
