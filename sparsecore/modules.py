@@ -35,6 +35,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConf
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from sparsecore.collection import SparseCoreCollection
+from sparsecore.executor import Pending, Resolved, run_on
 from sparsecore.inference import inference_lookups
 from sparsecore.preprocess import PreprocessedBatch
 
@@ -57,13 +58,30 @@ class SparseCoreEmbeddingBagCollection(SparseCoreCollection):
         """Pooled embeddings of every feature: TorchRec's keys and order, (B, sum of dims).
 
         Under ``torch.inference_mode`` a KJT is looked up without building COO buffers
-        (sparsecore.inference, which says what that keeps and what it skips)."""
+        (sparsecore.inference, which says what that keeps and what it skips); so it is
+        by ``forward_async``."""
         if self._serves_inference(features):
             self.wait_for_updates()
-            rows = inference_lookups(features, self._stacks, {s.name: self._weights[s.name] for s in self._stacks})
-            if rows is not None:
-                return self._keyed(features.stride(), rows)
+            return self._finish_inference(features, self._inference_lookups(features))
         return super().forward(features)
+
+    def forward_async(self, features: KeyedJaggedTensor | PreprocessedBatch) -> Pending | Resolved:
+        if self._serves_inference(features):
+            # Queued behind the deferred updates, as any lookup on the executor.
+            looked_up = run_on(self._device, "lookup", self._inference_lookups, features)
+            return Pending(looked_up, functools.partial(self._finish_inference, features))
+        return super().forward_async(features)
+
+    def _inference_lookups(self, features: KeyedJaggedTensor) -> dict[str, torch.Tensor] | tuple:
+        """Per stack, the rows of the inference lookup; for a batch past the limits by its raw
+        counts, what ``_detached_lookups`` returns (the full preprocessing decides)."""
+        rows = inference_lookups(features, self._stacks, {s.name: self._weights[s.name] for s in self._stacks})
+        return rows if rows is not None else self._detached_lookups(features)
+
+    def _finish_inference(self, features: KeyedJaggedTensor, looked_up: dict[str, torch.Tensor] | tuple) -> KeyedTensor:
+        if isinstance(looked_up, dict):
+            return self._keyed(features.stride(), looked_up)
+        return self._assemble(looked_up[0], self._attach(*looked_up))
 
     def _serves_inference(self, features: KeyedJaggedTensor | PreprocessedBatch) -> bool:
         # is_compiling first: a traced step keeps the lookups in its graph, and Dynamo

@@ -36,6 +36,11 @@ def engine_like(reference, tables, **kw):
     return engine
 
 
+def look_up(engine, kjt, how):
+    """engine(kjt), or through forward_async: its lookups on the SparseCore executor's thread."""
+    return engine(kjt) if how == "forward" else engine.forward_async(kjt).result()
+
+
 def no_preprocessing(monkeypatch):
     """Makes any full preprocessing of a KJT fail, to show a lookup did without it."""
     def fail(*args, **kwargs):
@@ -43,9 +48,10 @@ def no_preprocessing(monkeypatch):
     monkeypatch.setattr(sparsecore.collection, "preprocess_and_look_up", fail)
 
 
+@pytest.mark.parametrize("how", ["forward", "forward_async"])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("batch,max_len", [(7, 5), (700, 30), (1, 1)])
-def test_inference_equals_torchrec_without_preprocessing(weighted, batch, max_len, monkeypatch):
+def test_inference_equals_torchrec_without_preprocessing(how, weighted, batch, max_len, monkeypatch):
     # (TorchRec weights sum pooling only.)
     tables = [dataclasses.replace(t, pooling=PoolingType.SUM) for t in TABLES] if weighted else TABLES
     reference = EmbeddingBagCollection(tables=tables, is_weighted=weighted)
@@ -54,7 +60,7 @@ def test_inference_equals_torchrec_without_preprocessing(weighted, batch, max_le
     for seed in range(3):
         kjt = random_kjt(tables, batch=batch, seed=seed, weighted=weighted, max_len=max_len)
         with torch.inference_mode():
-            actual = engine(kjt)
+            actual = look_up(engine, kjt, how)
         expected = reference(kjt)
         assert actual.keys() == expected.keys() and actual.length_per_key() == expected.length_per_key()
         assert actual.values().device.type == "tpu"
@@ -92,7 +98,8 @@ def test_sqrtn_combiner_and_empty_batch_match_the_preprocessed_lookup():
     assert empty.values().shape == (5, 64 * 3 + 128) and not empty.values().cpu().any()
 
 
-def test_limits_are_bounded_by_raw_counts_and_decided_exactly_past_them():
+@pytest.mark.parametrize("how", ["forward", "forward_async"])
+def test_limits_are_bounded_by_raw_counts_and_decided_exactly_past_them(how):
     # Every bag repeats one id, so the raw counts are far above the merged and distinct ones.
     table = EmbeddingBagConfig(name="r", num_embeddings=64, embedding_dim=64, feature_names=["f"])
     batch, repeats = 8, 10
@@ -105,12 +112,12 @@ def test_limits_are_bounded_by_raw_counts_and_decided_exactly_past_them():
     fits = engine_like(reference, roomy([table], limit=max(exact.max_ids_per_partition,
                                                            exact.max_unique_ids_per_partition)))
     with torch.inference_mode():
-        out = fits(kjt).values().cpu()  # raw counts pass the limits: decided by the full preprocessing
+        out = look_up(fits, kjt, how).values().cpu()  # raw counts pass the limits: the full preprocessing decides
     torch.testing.assert_close(out, reference(kjt).values().detach(), atol=1e-6, rtol=1e-5)
     assert fits.observed_limits()["r"]["max_ids_per_partition"] == exact.max_ids_per_partition
     too_small = engine_like(reference, roomy([table], limit=exact.max_ids_per_partition - 1))
     with torch.inference_mode(), pytest.raises(PartitionLimitError, match="max_ids_per_partition"):
-        too_small(kjt)
+        look_up(too_small, kjt, how)
 
 
 @pytest.mark.parametrize("bad", [1000, -1])
@@ -130,9 +137,12 @@ def test_inference_sees_deferred_updates():
     engine = SparseCoreEmbeddingBagCollection(tables, sparsecore.optim.SGD(lr=0.5), device="tpu", num_sparsecores=4)
     engine.set_deferred_updates(True)
     kjt = random_kjt(TABLES[:1], batch=16, seed=4, max_len=8)
-    engine(kjt).values().sum().backward()  # queued on the SparseCore executor
-    with torch.inference_mode():
-        actual = engine(kjt).values().cpu()
-    reference = EmbeddingBagCollection(tables=TABLES[:1])
-    reference.load_state_dict(engine.state_dict())  # the updated weights
-    torch.testing.assert_close(actual, reference(kjt).values().detach(), atol=1e-6, rtol=1e-5)
+    before = engine.table_weight("a")
+    for how in ("forward", "forward_async"):
+        engine(kjt).values().sum().backward()  # queued on the SparseCore executor
+        with torch.inference_mode():
+            actual = look_up(engine, kjt, how).values().cpu()
+        reference = EmbeddingBagCollection(tables=TABLES[:1])
+        reference.load_state_dict(engine.state_dict())  # the updated weights
+        torch.testing.assert_close(actual, reference(kjt).values().detach(), atol=1e-6, rtol=1e-5)
+    assert not torch.equal(engine.table_weight("a"), before)
