@@ -78,19 +78,12 @@ class ChunkLookup {
       const float gain = a_.combiners[slot] == kMean && length > 0 ? 1.0f / static_cast<float>(length) : 1.0f;
       if (!shared_gain) bag_gains(weights_, begin, length, a_.combiners[slot], gains_);
       count_owners(begin, length, counts + at.receiver_base);
-      sum.clear();
-      for (int64_t i = 0; i < length; ++i) {
-        // Rows kPrefetchDistance ids ahead, within the slot; where each row
-        // is, is kept for when it is summed. (Ids past the bag are not
-        // checked yet: an out-of-range one is not asked for.)
-        for (const int64_t ahead = std::min(begin + i + kPrefetchDistance, run_end); asked < ahead; ++asked) {
-          const int64_t offset = row_offset(ids_[asked]);
-          where_[asked % kRing] = offset;
-          if (!outside(ids_[asked], slot_.limit)) prefetch_bytes(table_ + offset, dim_ * sizeof(scalar_t));
-        }
-        sum.add(table_ + where_[(begin + i) % kRing], shared_gain ? gain : gains_[i]);
+      if (shared_gain) {
+        sum_bag<true>(sum, begin, length, run_end, asked, gain);
+      } else {
+        sum_bag<false>(sum, begin, length, run_end, asked, 0.0f);
       }
-      sum.store(out_ + (at.b * slots_ + at.slot) * dim_);
+      sum.store(out_ + (at.b * slots_ + at.slot) * dim());
     }
     stream_fence();
     return true;
@@ -114,11 +107,37 @@ class ChunkLookup {
     for (int64_t o = 0; o < n; ++o) counts[o] += (lanes >> (16 * o)) & 0xFFFF;
   }
 
-  // Where the id's row starts in the table, in elements.
-  int64_t row_offset(index_t id) const {
-    const int64_t shifted = static_cast<int64_t>(id) + slot_.rotation;
-    return (map_.owner(shifted) * a_.rows_per_sc + slot_.row_offset + map_.row(shifted)) * dim_;
+  // Sums the bag [begin, begin + length) into `sum`, asking for rows
+  // kPrefetchDistance ids ahead within the slot (up to run_end; `asked` is
+  // the first id not yet asked for). Where each row is, is kept from its
+  // request to its sum. Ids past the bag are not checked yet: an
+  // out-of-range one is not asked for. kShared: every id has `gain`, else
+  // gains_ holds the bag's.
+  template <bool kShared>
+  void sum_bag(BagSum<scalar_t, kDim>& sum, int64_t begin, int64_t length, int64_t run_end, int64_t& asked,
+               float gain) {
+    // Locals: the stores to where_ would otherwise make the compiler reload
+    // every member they might alias, once per id.
+    const index_t* ids = ids_;
+    const scalar_t* table = table_;
+    const int64_t limit = slot_.limit, rotation = slot_.rotation, first_row = slot_.row_offset;
+    const int64_t rows_per_sc = a_.rows_per_sc;
+    const ShardMap map = map_;
+    int64_t* where = where_;
+    sum.clear();
+    for (int64_t i = 0; i < length; ++i) {
+      for (const int64_t ahead = std::min(begin + i + kPrefetchDistance, run_end); asked < ahead; ++asked) {
+        const int64_t shifted = static_cast<int64_t>(ids[asked]) + rotation;
+        const int64_t offset = (map.owner(shifted) * rows_per_sc + first_row + map.row(shifted)) * dim();
+        where[asked % kRing] = offset;
+        if (!outside(ids[asked], limit)) prefetch_bytes(table + offset, dim() * sizeof(scalar_t));
+      }
+      sum.add(table + where[(begin + i) % kRing], kShared ? gain : gains_[i]);
+    }
   }
+
+  // The row width: a constant where kDim is known, so row offsets are shifts.
+  int64_t dim() const { return kDim > 0 ? kDim : dim_; }
 
   static constexpr int64_t kRing = 128;  // a power of two > kPrefetchDistance
 
