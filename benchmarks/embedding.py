@@ -697,7 +697,8 @@ class Runner:
 
 
 def backward_rows(results: dict[tuple[str, str], dict]) -> list[dict]:
-    """Backward (+update) = fwd+bwd+row-wise Adagrad minus forward; Zipf over uniform, against unique ids."""
+    """Backward (+update) = fwd+bwd+row-wise Adagrad minus the training forward (the engine's COO
+    path); Zipf over uniform, against unique ids."""
     rows = []
     for (phase, _), row in sorted(results.items(), key=lambda kv: (kv[1]["dim"], kv[1]["batch"], kv[1]["pooling"], kv[1]["dist"])):
         if phase != "rowwise_adagrad":
@@ -707,9 +708,11 @@ def backward_rows(results: dict[tuple[str, str], dict]) -> list[dict]:
             continue
         out = {k: row[k] for k in ("dim", "batch", "pooling", "dist", "unique_ratio")}
         for system in ("engine", "fbgemm"):
-            if f"{system}_ms" in row and f"{system}_ms" in fwd:
+            # The engine's training forward is its COO path (its timed forward is an inference lookup).
+            forward = f"{system}_coo_ms" if f"{system}_coo_ms" in fwd else f"{system}_ms"
+            if f"{system}_ms" in row and forward in fwd:
                 # n/a (NaN) when the noise of the two timings exceeds the backward itself
-                bwd = row[f"{system}_ms"] - fwd[f"{system}_ms"]
+                bwd = row[f"{system}_ms"] - fwd[forward]
                 out[f"{system}_bwd_ms"] = bwd if bwd > 0 else math.nan
         if not math.isnan(out["engine_bwd_ms"]):
             out["engine_bwd_ns_per_id"] = out["engine_bwd_ms"] * 1e6 / row["total_ids"]
@@ -885,7 +888,7 @@ def main(argv: list[str] | None = None) -> dict:
                 ("unique_vs_uniform", "unique ids vs uniform"), ("engine_bwd_vs_uniform", "engine bwd vs uniform"),
                 ("fbgemm_bwd_vs_uniform", "FBGEMM bwd vs uniform")]
         cols = [(k, t) for k, t in cols if any(k in r for r in bwd)]
-        sections.append("## backward vs unique ids (row-wise Adagrad; bwd = fwd+bwd+update minus forward)\n\n"
+        sections.append("## backward vs unique ids (row-wise Adagrad; bwd = fwd+bwd+update minus the training forward: the engine's COO path)\n\n"
                         "Target: with Zipf ids the backward cost follows the unique ids, i.e. "
                         "'engine bwd vs uniform' tracks 'unique ids vs uniform'.\n\n" + render(bwd, cols))
     lines = summaries(results)
