@@ -4,14 +4,22 @@ Under ``torch.inference_mode`` no backward can follow a lookup, so the COO
 buffers that the fused backward reads (sparsecore.preprocess) have no use:
 one C++ pass per stack (csrc/InferenceLookup.cpp) validates the ids, maps
 them to their rows under the stack's mod sharding and sums every bag, in KJT
-order, without merging repeated ids. The result is the same sums.
+order, without merging repeated ids. The sums are the COO lookup's up to
+rounding: it adds a bag's merged entries owner by owner, this pass its ids
+as they come.
 
 The SparseCore limits still hold: the pass counts every partition's ids
 before merging, which bounds both the merged entries and the distinct rows
-from above. Only when that bound passes a limit is the batch left to the full
-preprocessing (``inference_lookups`` returns None), which decides exactly,
-raising or dropping ids as it does for training. These lookups are not
-observed (``observed_limits``): they never build the partitions.
+from above. When that bound passes ``max_unique_ids_per_partition`` (the
+smaller limit) the batch is left to the full preprocessing
+(``inference_lookups`` returns None), which decides exactly, raising or
+dropping ids as it does for training; the pass's work is then lost. So the
+lookup pays where the limits leave room above the raw counts (as the default
+and the benchmark's do); with ``max_unique_ids_per_partition`` tuned close to
+the distinct rows a batch needs (``with_observed_limits``), batches with
+repeated ids mostly fall back. Batches served here are not observed
+(``observed_limits``): they never build the partitions; those that fall back
+are, as every preprocessed batch.
 """
 
 from __future__ import annotations

@@ -79,9 +79,12 @@ class SparseCoreEmbeddingBagCollection(SparseCoreCollection):
         return rows if rows is not None else self._detached_lookups(features)
 
     def _finish_inference(self, features: KeyedJaggedTensor, looked_up: dict[str, torch.Tensor] | tuple) -> KeyedTensor:
+        """The KeyedTensor of an inference lookup; a fallen-back batch's rows are not joined to
+        the autograd graph either, whatever the grad mode where ``result()`` is called."""
         if isinstance(looked_up, dict):
             return self._keyed(features.stride(), looked_up)
-        return self._assemble(looked_up[0], self._attach(*looked_up))
+        batch, per_stack = looked_up
+        return self._assemble(batch, {name: rows for name, (rows, _) in per_stack.items()})
 
     def _serves_inference(self, features: KeyedJaggedTensor | PreprocessedBatch) -> bool:
         # is_compiling first: a traced step keeps the lookups in its graph, and Dynamo

@@ -139,7 +139,9 @@ class ChunkLookup {
   // The row width: a constant where kDim is known, so row offsets are shifts.
   int64_t dim() const { return kDim > 0 ? kDim : dim_; }
 
-  static constexpr int64_t kRing = 128;  // a power of two > kPrefetchDistance
+  static constexpr int64_t kRing = 128;
+  static_assert(kRing > kPrefetchDistance && (kRing & (kRing - 1)) == 0,
+                "an address is read back up to kPrefetchDistance ids after it is written");
 
   struct Slot {
     int64_t limit = 0, rotation = 0, row_offset = 0;

@@ -30,8 +30,8 @@ def roomy(tables, limit=10**6, **kw):
             for t in tables]
 
 
-def engine_like(reference, tables, **kw):
-    engine = SparseCoreEmbeddingBagCollection(tables, device="tpu", num_sparsecores=4, **kw)
+def engine_like(reference, tables, num_sparsecores=4, **kw):
+    engine = SparseCoreEmbeddingBagCollection(tables, device="tpu", num_sparsecores=num_sparsecores, **kw)
     engine.load_state_dict(reference.state_dict())
     return engine
 
@@ -118,6 +118,51 @@ def test_limits_are_bounded_by_raw_counts_and_decided_exactly_past_them(how):
     too_small = engine_like(reference, roomy([table], limit=exact.max_ids_per_partition - 1))
     with torch.inference_mode(), pytest.raises(PartitionLimitError, match="max_ids_per_partition"):
         look_up(too_small, kjt, how)
+
+
+@pytest.mark.parametrize("num_sparsecores", [1, 2, 3, 4])
+def test_raw_counts_decide_at_the_limit_exactly(num_sparsecores, monkeypatch):
+    # One stack of two tables (two rotations), bags longer than the prefetch distance, a batch
+    # that the SparseCores do not divide evenly.
+    tables = [EmbeddingBagConfig(name="p", num_embeddings=5000, embedding_dim=64, feature_names=["f0", "f1"]),
+              EmbeddingBagConfig(name="q", num_embeddings=777, embedding_dim=64, feature_names=["f2"])]
+    n, batch = num_sparsecores, 37
+    kjt = random_kjt(tables, batch=batch, seed=6, max_len=150)
+    [stack] = SparseCoreEmbeddingBagCollection(tables, device="tpu", num_sparsecores=n).stacks
+    # Raw ids per (receiving SparseCore: the sample's batch slice, owning SparseCore), by hand.
+    raw = torch.zeros(n, n, dtype=torch.long)
+    values, lengths = kjt.values(), kjt.lengths().view(3, batch)
+    start = 0
+    for f, table in enumerate(["p", "p", "q"]):
+        for b in range(batch):
+            ids = values[start:start + int(lengths[f, b])]
+            start += ids.numel()
+            owner, _ = stack.locate(table, ids)
+            raw[b // -(-batch // n)] += torch.bincount(owner, minlength=n)
+    most = int(raw.max())
+    reference = EmbeddingBagCollection(tables=tables)
+    preprocessed = []
+    real = sparsecore.collection.preprocess_and_look_up
+    monkeypatch.setattr(sparsecore.collection, "preprocess_and_look_up",
+                        lambda *args, **kwargs: preprocessed.append(True) or real(*args, **kwargs))
+    for limit, falls_back in ((most, False), (most - 1, True)):
+        engine = engine_like(reference, roomy(tables, limit=limit), num_sparsecores=n)
+        preprocessed.clear()
+        with torch.inference_mode():
+            out = engine(kjt).values().cpu()
+        assert bool(preprocessed) == falls_back
+        torch.testing.assert_close(out, reference(kjt).values().detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_a_fallen_back_batch_is_not_trainable_outside_inference_mode():
+    # forward_async under inference_mode, result() outside it: rows without autograd, as when served.
+    tables = roomy(TABLES[:1], limit=1)  # the batch falls back to the full preprocessing (which drops ids)
+    engine = SparseCoreEmbeddingBagCollection(tables, sparsecore.optim.SGD(lr=0.5), device="tpu", num_sparsecores=4,
+                                              allow_id_dropping=True)
+    kjt = random_kjt(TABLES[:1], batch=16, seed=4, max_len=8)
+    with torch.inference_mode():
+        pending = engine.forward_async(kjt)
+    assert not pending.result().values().requires_grad
 
 
 @pytest.mark.parametrize("bad", [1000, -1])
