@@ -13,11 +13,12 @@ before merging, which bounds both the merged entries and the distinct rows
 from above. When that bound passes ``max_unique_ids_per_partition`` (the
 smaller limit) the batch is left to the full preprocessing
 (``inference_lookups`` returns None), which decides exactly, raising or
-dropping ids as it does for training; the pass's work is then lost. So the
-lookup pays where the limits leave room above the raw counts (as the default
-and the benchmark's do); with ``max_unique_ids_per_partition`` tuned close to
-the distinct rows a batch needs (``with_observed_limits``), batches with
-repeated ids mostly fall back. Batches served here are not observed
+dropping ids as it does for training. The pass stops as soon as one of its
+chunks alone has passed the bound, so little of it is lost when the limits
+sit far below the raw counts; the lookup pays where the limits leave room
+above them (as the default and the benchmark's do), while with
+``max_unique_ids_per_partition`` tuned close to the distinct rows a batch
+needs (``with_observed_limits``), batches with repeated ids mostly fall back. Batches served here are not observed
 (``observed_limits``): they never build the partitions; those that fall back
 are, as every preprocessed batch.
 """
@@ -45,11 +46,12 @@ def inference_lookups(kjt: KeyedJaggedTensor, stacks: Sequence[StackSpec],
     rows = {}
     for stack in stacks:
         slots, args = pooled_stack_args(stack, view)
-        out, counts, bad_slot, bad_id = torch.ops.sparsecore.inference_lookup_pooled(weights[stack.name], *args)
+        bound = min(stack.max_ids_per_partition, stack.max_unique_ids_per_partition)
+        out, bad_slot, bad_id, over = torch.ops.sparsecore.inference_lookup_pooled(weights[stack.name], *args, bound)
+        if over:
+            return None
         if bad_slot >= 0:
             raise out_of_range(slots, bad_slot, bad_id)
-        if counts.numel() and int(counts.max()) > min(stack.max_ids_per_partition, stack.max_unique_ids_per_partition):
-            return None
         rows[stack.name] = out
     return rows
 

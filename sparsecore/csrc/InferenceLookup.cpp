@@ -17,10 +17,10 @@
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <tuple>
 #include <vector>
@@ -46,10 +46,12 @@ class ChunkLookup {
       : a_(a), ids_(ids), weights_(weights), starts_(starts), table_(table), dim_(kDim > 0 ? kDim : dim),
         map_(a.n), slots_(static_cast<int64_t>(a.features.size())), out_(out), scratch_(kDim > 0 ? 0 : dim_) {}
 
-  // Bags [k_begin, k_end): sums written, ids counted into `counts` (n x n).
-  // Returns false at the first out-of-range id (its slot and value in `bad`),
-  // having summed nothing of that bag.
-  bool run(int64_t k_begin, int64_t k_end, int64_t* counts, int64_t* bad) {
+  // Bags [k_begin, k_end): sums written, ids counted into `counts` (n x n,
+  // this chunk's). Returns false, having summed nothing of the bag, at the
+  // first out-of-range id (its slot and value in `bad`), or once a partition
+  // of this chunk alone has passed `bound` ids (so has the batch: `over` is
+  // set) or another chunk found that.
+  bool run(int64_t k_begin, int64_t k_end, int64_t* counts, int64_t* bad, int64_t bound, std::atomic<bool>& over) {
     const int64_t slice = std::max<int64_t>((a_.batch_size + a_.n - 1) / a_.n, 1);
     BagSum<scalar_t, kDim> sum(dim_, scratch_.data());
     int64_t slot = -1, run_end = 0, asked = 0;  // the slot's ids in this chunk end at run_end
@@ -78,6 +80,11 @@ class ChunkLookup {
       const float gain = a_.combiners[slot] == kMean && length > 0 ? 1.0f / static_cast<float>(length) : 1.0f;
       if (!shared_gain) bag_gains(weights_, begin, length, a_.combiners[slot], gains_);
       count_owners(begin, length, counts + at.receiver_base);
+      if (over.load(std::memory_order_relaxed) || past(counts + at.receiver_base, bound)) {
+        over.store(true, std::memory_order_relaxed);
+        stream_fence();
+        return false;
+      }
       if (shared_gain) {
         sum_bag<true>(sum, begin, length, run_end, asked, gain);
       } else {
@@ -90,6 +97,12 @@ class ChunkLookup {
   }
 
  private:
+  bool past(const int64_t* counts, int64_t bound) const {
+    bool past = false;
+    for (int64_t o = 0; o < a_.n; ++o) past |= counts[o] > bound;
+    return past;
+  }
+
   // Adds the bag's ids to their owners' counts (`counts`: the receiver's n).
   // With a power-of-two count of at most 4 SparseCores, the counts are 16-bit
   // lanes of one register: a loop of its own that vectorizes, rather than a
@@ -163,14 +176,17 @@ class ChunkLookup {
 };
 
 // Returns the (bags, dim) fp32 sums (bag slot * batch_size + b at row
-// b * slots + slot, as the COO lookup), the raw per-partition id counts
-// (receiver x owner), and (slot, id) of the first out-of-range id (slot -1
-// when all are valid; otherwise neither the sums nor the counts are to be used).
-std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> inference_lookup_pooled(
+// b * slots + slot, as the COO lookup), (slot, id) of the first out-of-range
+// id (slot -1 when all are valid), and whether some partition carries more
+// than `bound` ids before merging. Either of the last two: the sums are not
+// to be used. A batch past the bound is left as soon as a chunk sees it: with
+// limits well below the raw counts (tuned to the distinct rows) that is
+// early, and the full preprocessing that follows decides, bad ids included.
+std::tuple<at::Tensor, int64_t, int64_t, bool> inference_lookup_pooled(
     const at::Tensor& weight, const at::Tensor& values, const at::Tensor& lengths, const at::Tensor& weights,
     at::IntArrayRef features, at::IntArrayRef num_embeddings, at::IntArrayRef rotations,
     at::IntArrayRef row_offsets, at::IntArrayRef combiners, int64_t num_sparsecores, int64_t batch_size,
-    int64_t rows_per_sparsecore) {
+    int64_t rows_per_sparsecore, int64_t bound) {
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(),
               "inference_lookup_pooled: weight must be a contiguous 2-D table");
   TORCH_CHECK(weight.size(0) == num_sparsecores * rows_per_sparsecore, "inference_lookup_pooled: weight has ",
@@ -192,6 +208,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> inference_lookup_pooled(
   const int64_t num_chunks = std::max<int64_t>(1, std::min<int64_t>(num_bags / 256, 8 * kernel_threads()));
   std::vector<int64_t> chunk_counts(num_chunks * n * n, 0);
   std::vector<int64_t> bad(num_chunks * 2, -1);
+  std::atomic<bool> over{false};
   AT_DISPATCH_INDEX_TYPES(v.scalar_type(), "inference_lookup_pooled", [&] {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "inference_lookup_pooled", [&] {
       with_row_width(dim, [&](auto width) {
@@ -201,7 +218,7 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> inference_lookup_pooled(
               weight.const_data_ptr<scalar_t>(), dim, out.mutable_data_ptr<float>());
           for (int64_t c; claim(c);) {
             if (!lookup.run(num_bags * c / num_chunks, num_bags * (c + 1) / num_chunks,
-                            chunk_counts.data() + c * n * n, bad.data() + 2 * c)) {
+                            chunk_counts.data() + c * n * n, bad.data() + 2 * c, bound, over)) {
               return;
             }
           }
@@ -209,14 +226,14 @@ std::tuple<at::Tensor, at::Tensor, int64_t, int64_t> inference_lookup_pooled(
       });
     });
   });
-  auto counts = at::zeros({n, n}, at::kLong);
+  if (over) return {out, -1, 0, true};
   for (int64_t c = 0; c < num_chunks; ++c) {
-    if (bad[2 * c] >= 0) return {out, counts, bad[2 * c], bad[2 * c + 1]};
+    if (bad[2 * c] >= 0) return {out, bad[2 * c], bad[2 * c + 1], false};
   }
-  int64_t* total = counts.mutable_data_ptr<int64_t>();
+  std::vector<int64_t> total(n * n, 0);
   for (int64_t c = 0; c < num_chunks; ++c)
     for (int64_t p = 0; p < n * n; ++p) total[p] += chunk_counts[c * n * n + p];
-  return {out, counts, -1, 0};
+  return {out, -1, 0, *std::max_element(total.begin(), total.end()) > bound};
 }
 
 }  // namespace
@@ -225,7 +242,7 @@ TORCH_LIBRARY_FRAGMENT(sparsecore, m) {
   m.def(
       "inference_lookup_pooled(Tensor weight, Tensor values, Tensor lengths, Tensor weights, int[] features, "
       "int[] num_embeddings, int[] rotations, int[] row_offsets, int[] combiners, int num_sparsecores, "
-      "int batch_size, int rows_per_sparsecore) -> (Tensor, Tensor, int, int)");
+      "int batch_size, int rows_per_sparsecore, int bound) -> (Tensor, int, int, bool)");
   m.impl("inference_lookup_pooled", c10::DispatchKey::CPU, TORCH_FN(inference_lookup_pooled));
   m.impl("inference_lookup_pooled", c10::DispatchKey::PrivateUse1, TORCH_FN(inference_lookup_pooled));
 }
