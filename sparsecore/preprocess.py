@@ -370,6 +370,8 @@ def view_kjt(kjt: KeyedJaggedTensor, stacks: Sequence[StackSpec]) -> KjtView:
     if int(lengths.sum()) != values.numel():
         raise InputError(f"lengths sum to {int(lengths.sum())} but there are {values.numel()} ids")
     weights = kjt.weights_or_none()
+    if weights is not None and weights.numel() != values.numel():
+        raise InputError(f"{weights.numel()} weights for {values.numel()} ids; expected one weight per id")
     return KjtView(values=values.cpu(), lengths=lengths, weights=None if weights is None else weights.float().cpu(),
                    index={k: i for i, k in enumerate(keys)}, batch_size=batch_size)
 

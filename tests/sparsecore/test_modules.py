@@ -125,3 +125,9 @@ def test_bad_tables_and_inputs_are_named():
     with pytest.raises(InputError, match=r"feature 'f0' \(table 'shared'\): id 97 is out of range"):
         engine(bad)
     assert torch.equal(engine.state_dict()["embedding_bags.shared.weight"], before)
+    # Weights that do not match the ids one for one (the C++ passes would read past them).
+    short = KeyedJaggedTensor(keys=["f0", "f1", "f2", "f3"], values=torch.tensor([1, 2, 3]),
+                              lengths=torch.tensor([3, 0, 0, 0]), weights=torch.ones(2))
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode(), pytest.raises(InputError, match="2 weights for 3 ids; expected one weight per id"):
+            engine(short)
