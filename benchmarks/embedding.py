@@ -285,18 +285,11 @@ def build_sparse_adam(dim: int, rows: list[int] = TABLE_ROWS):
     return bags, [torch.optim.SparseAdam(b.parameters(), lr=LR["adam"], eps=EPS) for b in bags]
 
 
-def engine_forward(engine, data) -> Callable[[], None]:
+def engine_forward(engine, data, mode=torch.inference_mode) -> Callable[[], None]:
+    """The engine's forward under ``mode``: an inference lookup, or under torch.no_grad the COO
+    path (a training step's forward without autograd: preprocessing, then the buffers' lookup)."""
     def run() -> None:
-        with torch.inference_mode():
-            engine(data["kjt"]).values()
-        sync()
-    return run
-
-
-def engine_coo_forward(engine, data) -> Callable[[], None]:
-    """The forward of a training step without autograd: preprocessing into COO buffers, then their lookup."""
-    def run() -> None:
-        with torch.no_grad():
+        with mode():
             engine(data["kjt"]).values()
         sync()
     return run
@@ -513,7 +506,9 @@ def describe_sides(seen: dict[str, str]) -> list[str]:
     return [
         f"engine: sparsecore SparseCoreEmbeddingBagCollection, device tpu ({props.name}, "
         f"{props.sparsecores_per_chip} SparseCores, memory on the host); {seen.get('engine', unseen)}; "
-        f"fp32 accumulation and optimizer math; host work inside the timed region (forward: an inference lookup under torch.inference_mode, ids validated and limits checked, no COO buffers; training phases and the COO path: preprocessing into COO buffers)",
+        f"fp32 accumulation and optimizer math; host work inside the timed region (forward: an inference "
+        f"lookup under torch.inference_mode, ids validated and limits checked, no COO buffers; training "
+        f"phases and the COO path: preprocessing into COO buffers)",
         f"ATen: torch.nn.functional.embedding_bag(mode='sum'), one call per table + torch.cat, device cpu; "
         f"{seen.get('aten', unseen)} (torch {torch.__version__}, {torch.get_num_threads()} threads)",
         f"FBGEMM: SplitTableBatchedEmbeddingBagsCodegen (fbgemm_gpu {fbgemm_gpu.__version__}), device cpu, "
@@ -673,7 +668,7 @@ class Runner:
                 systems = {}
                 if engine is not None:
                     systems["engine"] = engine_forward(engine, data)
-                    systems["engine_coo"] = engine_coo_forward(engine, data)
+                    systems["engine_coo"] = engine_forward(engine, data, torch.no_grad)
                 if tbe is not None:
                     systems["aten"] = aten_forward(weights, data)
                     systems["fbgemm"] = tbe_forward(tbe, data)

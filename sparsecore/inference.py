@@ -18,9 +18,9 @@ chunks alone has passed the bound, so little of it is lost when the limits
 sit far below the raw counts; the lookup pays where the limits leave room
 above them (as the default and the benchmark's do), while with
 ``max_unique_ids_per_partition`` tuned close to the distinct rows a batch
-needs (``with_observed_limits``), batches with repeated ids mostly fall back. Batches served here are not observed
-(``observed_limits``): they never build the partitions; those that fall back
-are, as every preprocessed batch.
+needs (``with_observed_limits``), batches with repeated ids mostly fall
+back. Batches served here are not observed (``observed_limits``): they never
+build the partitions; those that fall back are, as every preprocessed batch.
 """
 
 from __future__ import annotations
@@ -54,4 +54,3 @@ def inference_lookups(kjt: KeyedJaggedTensor, stacks: Sequence[StackSpec],
             raise out_of_range(slots, bad_slot, bad_id)
         rows[stack.name] = out
     return rows
-

@@ -62,29 +62,25 @@ class SparseCoreEmbeddingBagCollection(SparseCoreCollection):
         by ``forward_async``."""
         if self._serves_inference(features):
             self.wait_for_updates()
-            return self._finish_inference(features, self._inference_lookups(features))
+            return self._keyed(features.stride(), self._inference_lookups(features))
         return super().forward(features)
 
     def forward_async(self, features: KeyedJaggedTensor | PreprocessedBatch) -> Pending | Resolved:
         if self._serves_inference(features):
             # Queued behind the deferred updates, as any lookup on the executor.
             looked_up = run_on(self._device, "lookup", self._inference_lookups, features)
-            return Pending(looked_up, functools.partial(self._finish_inference, features))
+            return Pending(looked_up, functools.partial(self._keyed, features.stride()))
         return super().forward_async(features)
 
-    def _inference_lookups(self, features: KeyedJaggedTensor) -> dict[str, torch.Tensor] | tuple:
+    def _inference_lookups(self, features: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
         """Per stack, the rows of the inference lookup; for a batch past the limits by its raw
-        counts, what ``_detached_lookups`` returns (the full preprocessing decides)."""
+        counts, those of the full preprocessing's lookups (which decides), not joined to the
+        autograd graph either, whatever the grad mode where the result is taken."""
         rows = inference_lookups(features, self._stacks, {s.name: self._weights[s.name] for s in self._stacks})
-        return rows if rows is not None else self._detached_lookups(features)
-
-    def _finish_inference(self, features: KeyedJaggedTensor, looked_up: dict[str, torch.Tensor] | tuple) -> KeyedTensor:
-        """The KeyedTensor of an inference lookup; a fallen-back batch's rows are not joined to
-        the autograd graph either, whatever the grad mode where ``result()`` is called."""
-        if isinstance(looked_up, dict):
-            return self._keyed(features.stride(), looked_up)
-        batch, per_stack = looked_up
-        return self._assemble(batch, {name: rows for name, (rows, _) in per_stack.items()})
+        if rows is None:
+            _, per_stack = self._detached_lookups(features)
+            rows = {name: stack_rows for name, (stack_rows, _) in per_stack.items()}
+        return rows
 
     def _serves_inference(self, features: KeyedJaggedTensor | PreprocessedBatch) -> bool:
         # is_compiling first: a traced step keeps the lookups in its graph, and Dynamo

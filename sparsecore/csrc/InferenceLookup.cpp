@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -43,7 +44,7 @@ class ChunkLookup {
  public:
   ChunkLookup(const StackArgs& a, const index_t* ids, const float* weights, const std::vector<int64_t>& starts,
               const scalar_t* table, int64_t dim, float* out)
-      : a_(a), ids_(ids), weights_(weights), starts_(starts), table_(table), dim_(kDim > 0 ? kDim : dim),
+      : a_(a), ids_(ids), weights_(weights), starts_(starts), table_(table), dim_(dim),
         map_(a.n), slots_(static_cast<int64_t>(a.features.size())), out_(out), scratch_(kDim > 0 ? 0 : dim_) {}
 
   // Bags [k_begin, k_end): sums written, ids counted into `counts` (n x n,
@@ -65,20 +66,13 @@ class ChunkLookup {
       }
       const int64_t bag_index = a_.features[slot] * a_.batch_size + at.b;
       const int64_t begin = starts_[bag_index], length = starts_[bag_index + 1] - begin;
-      // A loop of its own, with no branch per id, so that it vectorizes.
-      bool in_range = true;
-      for (int64_t i = 0; i < length; ++i) in_range &= !outside(ids_[begin + i], slot_.limit);
-      if (!in_range) {
-        const int64_t limit = slot_.limit;
+      if (const index_t* first_bad = first_outside(ids_ + begin, length, slot_.limit)) {
         bad[0] = slot;
-        bad[1] = static_cast<int64_t>(
-            *std::find_if(ids_ + begin, ids_ + begin + length, [limit](index_t id) { return outside(id, limit); }));
+        bad[1] = static_cast<int64_t>(*first_bad);
         stream_fence();
         return false;
       }
-      const bool shared_gain = weights_ == nullptr && a_.combiners[slot] != kSqrtn;
-      const float gain = a_.combiners[slot] == kMean && length > 0 ? 1.0f / static_cast<float>(length) : 1.0f;
-      if (!shared_gain) bag_gains(weights_, begin, length, a_.combiners[slot], gains_);
+      const std::optional<float> shared_gain = bag_gains(weights_, begin, length, a_.combiners[slot], gains_);
       count_owners(begin, length, counts + at.receiver_base);
       if (over.load(std::memory_order_relaxed) || past(counts + at.receiver_base, bound)) {
         over.store(true, std::memory_order_relaxed);
@@ -86,7 +80,7 @@ class ChunkLookup {
         return false;
       }
       if (shared_gain) {
-        sum_bag<true>(sum, begin, length, run_end, asked, gain);
+        sum_bag<true>(sum, begin, length, run_end, asked, *shared_gain);
       } else {
         sum_bag<false>(sum, begin, length, run_end, asked, 0.0f);
       }

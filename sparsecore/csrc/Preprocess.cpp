@@ -433,19 +433,12 @@ Preprocessed preprocess_impl(
           bags.add(k, out, 0);
           continue;
         }
-        // Unweighted sum and mean bags give all their ids one gain.
-        const bool shared_gain = wts == nullptr && combiners[j] != kSqrtn;
-        const float gain = combiners[j] == kMean ? 1.0f / static_cast<float>(length) : 1.0f;
-        if (!shared_gain) bag_gains(wts, begin, length, combiners[j], gains);
-        const int64_t limit = num_embeddings[j], rotation = rotations[j], row_offset = row_offsets[j];
-        // The bag is checked in a loop of its own, with no branch per id, so
-        // that this loop and the one staging the bag vectorize (about 5%
-        // off preprocessing, measured); nothing of a bad bag is staged.
-        bool in_range = true;
-        for (int64_t i = 0; i < length; ++i) in_range &= !outside(ids[begin + i], limit);
-        if (!in_range) {
-          const index_t* first_bad =
-              std::find_if(ids + begin, ids + begin + length, [limit](index_t id) { return outside(id, limit); });
+        const std::optional<float> shared = bag_gains(wts, begin, length, combiners[j], gains);
+        const bool shared_gain = shared.has_value();
+        const float gain = shared.value_or(0.0f);
+        const int64_t rotation = rotations[j], row_offset = row_offsets[j];
+        // Nothing of a bad bag is staged.
+        if (const index_t* first_bad = first_outside(ids + begin, length, num_embeddings[j])) {
           bad[2 * c] = j;
           bad[2 * c + 1] = static_cast<int64_t>(*first_bad);
           return;
