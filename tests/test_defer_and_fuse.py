@@ -682,3 +682,110 @@ def test_an_eager_segment_that_departs_from_its_ops_is_recorded_from_there(monke
     assert seen[7][0] > seen[6][0] and seen[7][1] == seen[6][1], seen
     for a, b in zip(strict, deferred):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def synchronized_steps(mode: str, n: int = 10, extra_at: int = -1, probe=None) -> list[torch.Tensor]:
+    """SGD steps of a small model, each ending in torch.tpu.synchronize() (one segment a
+    step); ``extra_at``: a step with ops the others do not have; ``probe(i)`` runs mid-step."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, device="tpu", requires_grad=True)
+    x = torch.randn(4, 8, device="tpu")
+    losses = []
+    with torch_tpu.eager_mode(mode):
+        for i in range(n):
+            h = torch.tanh(x @ w)
+            if i == extra_at:
+                h = h * 2.0 + 1.0
+            if probe is not None:
+                probe(i)
+            loss = h.square().mean()
+            loss.backward()
+            with torch.no_grad():
+                w -= 0.1 * w.grad
+                w.grad = None
+            losses.append(loss.detach())
+            torch.tpu.synchronize()
+    return [t.cpu() for t in losses] + [w.detach().cpu()]
+
+
+def mode_stack() -> list:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return _get_current_dispatch_mode_stack()
+
+
+def test_eager_segments_ending_at_synchronize_run_without_the_mode(monkeypatch):
+    monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
+    monkeypatch.setattr(defer_segments.TimedChoice, "next", lambda self: (defer_segments.EAGER, False))
+    strict = synchronized_steps("strict", extra_at=7)
+    seen = []
+    deferred = synchronized_steps("defer_and_fuse", extra_at=7, probe=lambda i: seen.append(
+        (i, any(isinstance(m, defer.DeferAndFuse) for m in mode_stack()), defer.stats().ops_recorded)))
+    recording = [i for i, on, _ in seen if on]
+    # Recorded until settled (2 runs) and the one after (its successor learnt), then dormant:
+    # the mode is off the thread for every later step, the odd one included, and nothing is recorded.
+    assert recording == list(range(len(recording))) and 2 <= len(recording) <= 4, seen
+    assert seen[-1][2] == seen[len(recording)][2], seen
+    assert defer.stats().eager_segments >= 10 - len(recording) - 1, defer.stats()
+    for a, b in zip(strict, deferred):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    assert not any(isinstance(m, defer.DeferAndFuse) for m in mode_stack())  # left with the context
+
+
+def test_a_dormant_segment_chosen_recorded_again_brings_the_mode_back(monkeypatch):
+    monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
+    choices = iter([defer_segments.EAGER] * 3 + [defer_segments.RECORDED] * 100)
+    monkeypatch.setattr(defer_segments.TimedChoice, "next", lambda self: (next(choices), False))
+    strict = synchronized_steps("strict", n=12)
+    seen = []
+    deferred = synchronized_steps("defer_and_fuse", n=12, probe=lambda i: seen.append(
+        any(isinstance(m, defer.DeferAndFuse) for m in mode_stack())))
+    assert False in seen and seen[-4:] == [True] * 4, seen
+    first_off = seen.index(False)
+    assert seen[first_off:first_off + 3] == [False] * 3 and seen[first_off + 3] is True, seen
+    for a, b in zip(strict, deferred):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_a_mode_entered_during_a_dormant_segment_keeps_its_place(monkeypatch):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counting(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counting.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
+    monkeypatch.setattr(defer_segments.TimedChoice, "next", lambda self: (defer_segments.EAGER, False))
+    counting = Counting()
+    stacks = []
+
+    def probe(i):
+        if i == 6:
+            counting.__enter__()  # entered mid-step while DeferAndFuse is away
+        if i == 9:
+            counting.__exit__(None, None, None)
+        stacks.append([type(m).__name__ for m in mode_stack()])
+
+    strict = synchronized_steps("strict", n=12)
+    deferred = synchronized_steps("defer_and_fuse", n=12, probe=probe)
+    # DeferAndFuse never comes back above the other mode, which exits as it entered.
+    assert stacks[6] == stacks[7] == stacks[8] == ["Counting"], stacks
+    assert Counting.calls > 0 and "DeferAndFuse" not in stacks[9], stacks
+    for a, b in zip(strict, deferred):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_leaving_and_reentering_defer_and_fuse_while_dormant(monkeypatch):
+    monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
+    monkeypatch.setattr(defer_segments.TimedChoice, "next", lambda self: (defer_segments.EAGER, False))
+    synchronized_steps("defer_and_fuse", n=8)
+    assert mode_stack() == []
+    with torch_tpu.eager_mode("defer_and_fuse"):
+        assert any(isinstance(m, defer.DeferAndFuse) for m in mode_stack())
+        y = torch.arange(4.0, device="tpu") * 3
+        assert is_deferred(y)  # recording again
+        assert y.cpu().tolist() == [0.0, 3.0, 6.0, 9.0]
+    assert mode_stack() == []

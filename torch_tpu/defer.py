@@ -67,6 +67,7 @@ aten = torch.ops.aten
 _ops = torch.ops.torch_tpu
 _deferred_empty = _ops._deferred_empty.default
 MAX_OPS = 4096
+SYNC_REASON = "torch.tpu.synchronize"  # what torch.tpu.synchronize() materializes for
 MAX_META_CACHE = 100_000
 # Allocation only: run at once (nothing to fuse), like views of real memory.
 ALLOCATIONS = frozenset([aten.empty.memory_format, aten.empty_strided.default])
@@ -660,8 +661,9 @@ class _Engine:
             holders = self._holders([b for b in g.bound.values() if b.kind in ("base", "view", "written view")])
             targets = [b for b in g.bound.values() if (b.kind == "write" and b.ref[1] not in g.in_place)
                        or (b.kind == "base" and self._alive(b, g, holders))]
+            at_sync = reason == SYNC_REASON
             if not targets and not g.in_place:
-                self.segments.materialized(False)
+                self.segments.materialized(False, at_sync)
                 return
             outputs = [b.ref for b in targets]
             self.stats.graphs += 1
@@ -677,7 +679,18 @@ class _Engine:
                         _copy_unversioned(b.tensor, value)
                     del value
                 del values
-            self.segments.materialized(settled)
+            self.segments.materialized(settled, at_sync)
+
+    def synchronized(self, may_sleep: bool) -> bool:
+        """``torch.tpu.synchronize()`` found nothing pending (see Segments.synchronized):
+        whether the segment to come runs dormant."""
+        with self.lock:
+            segments = self.segments
+            ending = segments.dormant
+            if ending is not None:
+                self.stats.eager_segments += 1
+                self.stats.ops_run_eagerly += len(ending.ops)
+            return segments.synchronized(may_sleep)
 
 
 class _Repeats:
@@ -770,9 +783,34 @@ def engine() -> _Engine:
 
 
 def materialize(reason: str = "materialize()") -> None:
-    """Runs the pending graph, if any (a no-op outside DeferAndFuse)."""
-    if _engine is not None:
-        _engine.materialize(reason)
+    """Runs the pending graph, if any (a no-op outside DeferAndFuse). At
+    ``torch.tpu.synchronize()`` (``SYNC_REASON``) this thread's mode also
+    leaves or comes back for the segment to come (see defer_segments)."""
+    if _engine is None:
+        return
+    _engine.materialize(reason)
+    if reason == SYNC_REASON:
+        _at_synchronize(_engine)
+
+
+def _at_synchronize(eng: _Engine) -> None:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode, _len_torch_dispatch_stack
+
+    mode = getattr(_local, "mode", None)
+    if mode is None:
+        return
+    dormant = getattr(_local, "dormant_depth", None)  # the mode stack's depth when the mode left
+    if dormant is not None and _len_torch_dispatch_stack() != dormant:
+        return  # a mode entered since: the mode comes back only where it was (a later synchronize)
+    # The mode leaves only from the top of the stack: popping would otherwise take another mode.
+    may_sleep = dormant is not None or _get_current_dispatch_mode() is mode
+    sleep = eng.synchronized(may_sleep)
+    if sleep and dormant is None:
+        mode.__exit__(None, None, None)
+        _local.dormant_depth = _len_torch_dispatch_stack()
+    elif not sleep and dormant is not None:
+        _local.dormant_depth = None
+        mode.__enter__()
 
 
 def stats() -> DeferStats:
@@ -797,7 +835,8 @@ def leave_on_this_thread() -> None:
         return
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-    if _get_current_dispatch_mode() is not mode:
+    dormant = getattr(_local, "dormant_depth", None) is not None  # the mode is off the stack already
+    if not dormant and _get_current_dispatch_mode() is not mode:
         raise RuntimeError("cannot leave DeferAndFuse while a dispatch mode entered after it is active "
                            f"({type(_get_current_dispatch_mode()).__name__}); exit that mode first")
     materialize("leaving DeferAndFuse")
@@ -805,5 +844,10 @@ def leave_on_this_thread() -> None:
     # next (a torch.compile of its own): done before leaving.
     engine().graphs.wait_for_compiles()
     _local.mode = None
-    mode.__exit__(None, None, None)
+    if dormant:
+        _local.dormant_depth = None
+        with _engine.lock:
+            _engine.segments.abandon_dormant()
+    else:
+        mode.__exit__(None, None, None)
     materialization_hooks.uninstall()

@@ -18,6 +18,16 @@ An eager segment runs Strict's kernels on real memory, op by op, recording
 nothing; an op that departs from the prediction ends it, and recording
 starts there. Either way the results are Strict's (op-by-op replay and eager
 run the same kernels) or the compiled graph's, as before.
+
+Checking each op still passes it through the dispatch mode, which costs a
+small-op step about as much again as Strict's kernels. So a segment that
+ends at ``torch.tpu.synchronize()`` - a step timed or paced by the host -
+and is chosen eager (untimed) runs *dormant*: the mode leaves the thread at
+the synchronize before it, nothing watches its ops, and the synchronize that
+ends it brings the mode back (or keeps it away, when the next segment is
+dormant too). Nothing is pending while a segment runs eagerly, so a dormant
+segment is exactly Strict, whatever ops it turns out to run; only the
+prediction of what follows it rests on its ops being the expected ones.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ class _Segment:
     ops: tuple
     settled_runs: int = 0
     choice: TimedChoice | None = None
+    ends_at_sync: bool = False  # its last recorded run ended at torch.tpu.synchronize()
 
 
 class Segments:
@@ -56,6 +67,7 @@ class Segments:
         self.log: list[Any] = []  # the ops of the current segment, while it is recorded
         self.eager: _Segment | None = None  # the segment running eagerly now
         self.pos = 0  # its next op
+        self.dormant: _Segment | None = None  # the segment running eagerly with the mode away
         self.known: dict[tuple, _Segment] = {}
         self.followed_by: dict[tuple, tuple] = {}
         self._last: tuple | None = None
@@ -74,11 +86,37 @@ class Segments:
             log.clear()
             self._start = self._last = None
 
-    def materialized(self, settled: bool) -> None:
-        """A recorded segment ends: its graph ran; ``settled``: as it will from now on."""
+    def materialized(self, settled: bool, at_sync: bool = False) -> None:
+        """A recorded segment ends: its graph ran; ``settled``: as it will from now on;
+        ``at_sync``: at torch.tpu.synchronize()."""
         ops = tuple(self.log)
         self.log = []
-        self._ended(ops, RECORDED, settled)
+        segment = self._ended(ops, RECORDED, settled)
+        if segment is not None:
+            segment.ends_at_sync = at_sync
+
+    # ---- dormant segments ----
+
+    def synchronized(self, may_sleep: bool) -> bool:
+        """``torch.tpu.synchronize()`` was called with nothing pending: it ends a
+        dormant segment. Returns whether the segment to come runs dormant: chosen
+        eager and not timed, it ends at a synchronize, and it has not begun
+        (``may_sleep``: the mode can leave the thread)."""
+        dormant = self.dormant
+        if dormant is not None:
+            self.dormant = None
+            self._ended(dormant.ops, EAGER, False)
+        upcoming = self.eager
+        if (may_sleep and upcoming is not None and self.pos == 0 and upcoming.ends_at_sync
+                and self._timed is None and not self.log):
+            self.eager, self.dormant = None, upcoming
+            return True
+        return False
+
+    def abandon_dormant(self) -> None:
+        """DeferAndFuse was left during a dormant segment: it ends untimed, unplanned."""
+        self.dormant = None
+        self._start = self._timed = None
 
     # ---- eager segments ----
 
@@ -116,7 +154,8 @@ class Segments:
 
     # ----
 
-    def _ended(self, ops: tuple, variant: int, settled: bool) -> None:
+    def _ended(self, ops: tuple, variant: int, settled: bool) -> _Segment | None:
+        """The segment of these ops ended (known or, recorded, now known); plans the next."""
         now = time.perf_counter()
         segment = self.known.get(ops)
         if segment is None and variant == RECORDED and ops:
@@ -134,6 +173,7 @@ class Segments:
             self.followed_by[self._last] = ops
         self._last, self._start = ops, now
         self._plan(self.known.get(self.followed_by.get(ops)))
+        return segment
 
     def _plan(self, upcoming: _Segment | None) -> None:
         """How the segment predicted to come next runs."""
