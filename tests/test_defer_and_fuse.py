@@ -789,3 +789,62 @@ def test_leaving_and_reentering_defer_and_fuse_while_dormant(monkeypatch):
         assert is_deferred(y)  # recording again
         assert y.cpu().tolist() == [0.0, 3.0, 6.0, 9.0]
     assert mode_stack() == []
+
+
+def test_a_dormant_segment_ends_at_the_synchronize_its_recorded_runs_ended_at(monkeypatch):
+    """A step synchronizing twice after its forward (the second time with nothing
+    pending) and once at its end: the backward's segment began two synchronizes
+    before its end, and runs dormant until the second."""
+    monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
+    monkeypatch.setattr(defer_segments.TimedChoice, "next", lambda self: (defer_segments.EAGER, False))
+
+    def steps(mode: str, probe=None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        w = torch.randn(8, 8, device="tpu", requires_grad=True)
+        x = torch.randn(4, 8, device="tpu")
+        out = []
+        with torch_tpu.eager_mode(mode):
+            for i in range(10):
+                loss = torch.tanh(x @ w).square().mean()
+                torch.tpu.synchronize()
+                torch.tpu.synchronize()
+                if probe is not None:
+                    probe(i)
+                loss.backward()
+                with torch.no_grad():
+                    w -= 0.1 * w.grad
+                    w.grad = None
+                out.append(loss.detach())
+                torch.tpu.synchronize()
+        return [t.cpu() for t in out] + [w.detach().cpu()]
+
+    strict = steps("strict")
+    dormant = []
+    deferred = steps("defer_and_fuse", probe=lambda i: dormant.append(defer.engine().segments.dormant))
+    assert dormant[-1] is not None and torch.ops.aten.tanh_backward.default in dormant[-1].ops, dormant[-1]
+    assert dormant[-1] is dormant[-2]
+    for a, b in zip(strict, deferred):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_an_eager_segment_ends_at_its_synchronize_when_autograds_copies_do_not_come(monkeypatch):
+    """Recorded, a backward ending a segment copies gradients whose meta strides
+    differ from their parameters' (new_empty_strided, copy_); run eagerly it does
+    not, and the synchronize ends the segment there rather than the next op
+    departing from it."""
+    monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
+    monkeypatch.setattr(defer_segments.TimedChoice, "next", lambda self: (defer_segments.EAGER, True))  # mode stays
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4)).to("tpu")
+    x = torch.randn(8, 16, device="tpu")
+    counts = []
+    with torch_tpu.eager_mode("defer_and_fuse"):
+        for _ in range(10):
+            model.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            torch.tpu.synchronize()
+            counts.append((defer.stats().ops_recorded, defer.stats().eager_segments))
+    tail = defer.engine().segments.known
+    assert any(s.ops[-1] is torch.ops.aten.copy_.default for s in tail.values()), "no autograd copy at a segment's end"
+    # Once eager, every step is one eager segment and nothing more is recorded.
+    assert counts[-1][0] == counts[-4][0] and counts[-1][1] == counts[-4][1] + 3, counts

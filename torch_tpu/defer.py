@@ -67,7 +67,10 @@ aten = torch.ops.aten
 _ops = torch.ops.torch_tpu
 _deferred_empty = _ops._deferred_empty.default
 MAX_OPS = 4096
-SYNC_REASON = "torch.tpu.synchronize"  # what torch.tpu.synchronize() materializes for
+# Host boundaries: materializations the host asks for outside any op, where a
+# dormant segment can end (defer_segments).
+SYNCHRONIZE = "torch.tpu.synchronize"
+HOST_BOUNDARIES = frozenset([SYNCHRONIZE])
 MAX_META_CACHE = 100_000
 # Allocation only: run at once (nothing to fuse), like views of real memory.
 ALLOCATIONS = frozenset([aten.empty.memory_format, aten.empty_strided.default])
@@ -661,9 +664,9 @@ class _Engine:
             holders = self._holders([b for b in g.bound.values() if b.kind in ("base", "view", "written view")])
             targets = [b for b in g.bound.values() if (b.kind == "write" and b.ref[1] not in g.in_place)
                        or (b.kind == "base" and self._alive(b, g, holders))]
-            at_sync = reason == SYNC_REASON
+            at_host_boundary = reason in HOST_BOUNDARIES
             if not targets and not g.in_place:
-                self.segments.materialized(False, at_sync)
+                self.segments.materialized(False, at_host_boundary)
                 return
             outputs = [b.ref for b in targets]
             self.stats.graphs += 1
@@ -679,18 +682,26 @@ class _Engine:
                         _copy_unversioned(b.tensor, value)
                     del value
                 del values
-            self.segments.materialized(settled, at_sync)
+            self.segments.materialized(settled, at_host_boundary)
 
-    def synchronized(self, may_sleep: bool) -> bool:
-        """``torch.tpu.synchronize()`` found nothing pending (see Segments.synchronized):
-        whether the segment to come runs dormant."""
+    def host_boundary(self, reason: str, may_sleep: bool | None) -> bool:
+        """A host boundary on the recording thread: counted, the pending graph run,
+        then whether the segment to come (or still running) is dormant
+        (Segments.after_host_boundary; ``may_sleep`` None: the thread is not
+        where the mode can leave or come back, nothing changes)."""
         with self.lock:
             segments = self.segments
-            ending = segments.dormant
-            if ending is not None:
+            segments.count_host_boundary()
+            self.materialize(reason)
+            if may_sleep is None:
+                return segments.dormant is not None
+            dormant = segments.dormant
+            sleep, ended = segments.after_host_boundary(may_sleep)
+            if ended is not None:
                 self.stats.eager_segments += 1
-                self.stats.ops_run_eagerly += len(ending.ops)
-            return segments.synchronized(may_sleep)
+                if ended is dormant:  # an eager segment's ops are counted as they run
+                    self.stats.ops_run_eagerly += len(ended.ops)
+            return sleep
 
 
 class _Repeats:
@@ -783,28 +794,26 @@ def engine() -> _Engine:
 
 
 def materialize(reason: str = "materialize()") -> None:
-    """Runs the pending graph, if any (a no-op outside DeferAndFuse). At
-    ``torch.tpu.synchronize()`` (``SYNC_REASON``) this thread's mode also
-    leaves or comes back for the segment to come (see defer_segments)."""
+    """Runs the pending graph, if any (a no-op outside DeferAndFuse). At a host
+    boundary (``HOST_BOUNDARIES``) on the recording thread the mode also leaves
+    or comes back for the segment to come (see defer_segments)."""
     if _engine is None:
         return
-    _engine.materialize(reason)
-    if reason == SYNC_REASON:
-        _at_synchronize(_engine)
-
-
-def _at_synchronize(eng: _Engine) -> None:
+    mode = getattr(_local, "mode", None)
+    if mode is None or reason not in HOST_BOUNDARIES:
+        _engine.materialize(reason)
+        return
     from torch.utils._python_dispatch import _get_current_dispatch_mode, _len_torch_dispatch_stack
 
-    mode = getattr(_local, "mode", None)
-    if mode is None:
-        return
     dormant = getattr(_local, "dormant_depth", None)  # the mode stack's depth when the mode left
-    if dormant is not None and _len_torch_dispatch_stack() != dormant:
-        return  # a mode entered since: the mode comes back only where it was (a later synchronize)
-    # The mode leaves only from the top of the stack: popping would otherwise take another mode.
-    may_sleep = dormant is not None or _get_current_dispatch_mode() is mode
-    sleep = eng.synchronized(may_sleep)
+    if dormant is not None:
+        # The mode comes back only where it was: not while a mode entered since is active.
+        may_sleep = True if _len_torch_dispatch_stack() == dormant else None
+    else:  # it leaves only from the top of the stack: popping would otherwise take another mode
+        may_sleep = _get_current_dispatch_mode() is mode
+    sleep = _engine.host_boundary(reason, may_sleep)
+    if may_sleep is None:
+        return
     if sleep and dormant is None:
         mode.__exit__(None, None, None)
         _local.dormant_depth = _len_torch_dispatch_stack()

@@ -21,13 +21,14 @@ run the same kernels) or the compiled graph's, as before.
 
 Checking each op still passes it through the dispatch mode, which costs a
 small-op step about as much again as Strict's kernels. So a segment that
-ends at ``torch.tpu.synchronize()`` - a step timed or paced by the host -
-and is chosen eager (untimed) runs *dormant*: the mode leaves the thread at
-the synchronize before it, nothing watches its ops, and the synchronize that
-ends it brings the mode back (or keeps it away, when the next segment is
-dormant too). Nothing is pending while a segment runs eagerly, so a dormant
-segment is exactly Strict, whatever ops it turns out to run; only the
-prediction of what follows it rests on its ops being the expected ones.
+ends at a *host boundary* - ``torch.tpu.synchronize()``, where the host
+paces or times its steps - and is chosen eager (untimed) runs *dormant*: the
+mode leaves the thread at the boundary before it, nothing watches its ops,
+and the boundary that ends it - the k-th since it began, k counted on its
+recorded runs - brings the mode back (or keeps it away, when the next
+segment is dormant too). Nothing is pending while a segment runs eagerly, so
+a dormant segment is exactly Strict, whatever ops it turns out to run; only
+the prediction of what follows it rests on its ops being the expected ones.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class _Segment:
     ops: tuple
     settled_runs: int = 0
     choice: TimedChoice | None = None
-    ends_at_sync: bool = False  # its last recorded run ended at torch.tpu.synchronize()
+    # Its last recorded run ended at the k-th host boundary since it began (None: elsewhere).
+    host_boundaries: int | None = None
 
 
 class Segments:
@@ -68,6 +70,7 @@ class Segments:
         self.eager: _Segment | None = None  # the segment running eagerly now
         self.pos = 0  # its next op
         self.dormant: _Segment | None = None  # the segment running eagerly with the mode away
+        self.boundaries = 0  # host boundaries since the current segment began
         self.known: dict[tuple, _Segment] = {}
         self.followed_by: dict[tuple, tuple] = {}
         self._last: tuple | None = None
@@ -86,37 +89,51 @@ class Segments:
             log.clear()
             self._start = self._last = None
 
-    def materialized(self, settled: bool, at_sync: bool = False) -> None:
+    def materialized(self, settled: bool, at_host_boundary: bool = False) -> None:
         """A recorded segment ends: its graph ran; ``settled``: as it will from now on;
-        ``at_sync``: at torch.tpu.synchronize()."""
+        ``at_host_boundary``: at one (counted already by ``count_host_boundary``)."""
         ops = tuple(self.log)
         self.log = []
+        boundaries = self.boundaries
         segment = self._ended(ops, RECORDED, settled)
         if segment is not None:
-            segment.ends_at_sync = at_sync
+            segment.host_boundaries = boundaries if at_host_boundary else None
 
     # ---- dormant segments ----
 
-    def synchronized(self, may_sleep: bool) -> bool:
-        """``torch.tpu.synchronize()`` was called with nothing pending: it ends a
-        dormant segment. Returns whether the segment to come runs dormant: chosen
-        eager and not timed, it ends at a synchronize, and it has not begun
-        (``may_sleep``: the mode can leave the thread)."""
-        dormant = self.dormant
-        if dormant is not None:
-            self.dormant = None
-            self._ended(dormant.ops, EAGER, False)
+    def count_host_boundary(self) -> None:
+        """A host boundary comes (before it materializes anything)."""
+        self.boundaries += 1
+
+    def after_host_boundary(self, may_sleep: bool) -> tuple[bool, _Segment | None]:
+        """A host boundary has materialized what was pending: it ends the dormant or
+        eager segment whose recorded runs ended at this boundary (the ops an eager
+        segment still expects are the ones autograd issues only on pending tensors,
+        see advance_to). Returns whether the segment to come (or still running) is
+        dormant - chosen eager and not timed, it ends at a host boundary, and it
+        has not begun (``may_sleep``: the mode can leave the thread) - and the
+        segment that ended eagerly here, if any."""
+        ended = None
+        for running in (self.dormant, self.eager if self.pos > 0 else None):
+            if running is None or running.host_boundaries is None:
+                continue
+            if self.boundaries < running.host_boundaries:
+                return running is self.dormant, None
+            self.dormant = self.eager = None
+            self._ended(running.ops, EAGER, False)
+            ended = running
         upcoming = self.eager
-        if (may_sleep and upcoming is not None and self.pos == 0 and upcoming.ends_at_sync
+        if (may_sleep and upcoming is not None and self.pos == 0 and upcoming.host_boundaries is not None
                 and self._timed is None and not self.log):
             self.eager, self.dormant = None, upcoming
-            return True
-        return False
+            return True, ended
+        return False, ended
 
     def abandon_dormant(self) -> None:
         """DeferAndFuse was left during a dormant segment: it ends untimed, unplanned."""
         self.dormant = None
         self._start = self._timed = None
+        self.boundaries = 0
 
     # ---- eager segments ----
 
@@ -143,6 +160,8 @@ class Segments:
             return False
         self.eager = None
         self._ended(segment.ops, EAGER, False)
+        if segment.host_boundaries is not None:
+            self.boundaries = -1  # the boundary that ended its recorded runs is still to come
         return True
 
     def diverged(self) -> None:
@@ -172,6 +191,7 @@ class Segments:
         if self._last is not None:
             self.followed_by[self._last] = ops
         self._last, self._start = ops, now
+        self.boundaries = 0
         self._plan(self.known.get(self.followed_by.get(ops)))
         return segment
 
