@@ -655,7 +655,7 @@ def plot_traces(rows: list[dict[str, Any]], path: Path, steps: int = 3) -> None:
     except ImportError:
         print("matplotlib is not installed in the venv: skipping the plot")
         return
-    lanes = ["main", "sparsecore", "input dist"]
+    lanes = ["reader", "main", "sparsecore", "input dist"]
     colors = {}
     fig, axes = plt.subplots(len(rows), 1, figsize=(11, 1.6 + 1.1 * len(rows)), squeeze=False)
     for ax, r in zip(axes[:, 0], rows):

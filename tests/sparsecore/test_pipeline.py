@@ -180,3 +180,91 @@ def test_bad_models_and_batches_are_named():
     pipeline = sparsecore.TrainPipeline(model, opt, "tpu")
     with pytest.raises(TypeError, match="sparse features of a tuple"):
         pipeline.progress(iter([(1, 2)]))
+
+
+def drawn_from(batches, log):
+    """Yields the batches, logging (index, thread) at each draw."""
+    for i, batch in enumerate(batches):
+        log.append((i, threading.get_ident()))
+        yield batch
+
+
+@pytest.mark.parametrize("read_ahead", [True, False], ids=["read_ahead", "on_the_loop"])
+def test_the_iterator_is_read_in_order_by_a_thread_of_its_own_two_batches_ahead(read_ahead):
+    batches, sizes = loader()
+    ref, ref_opt = build(sizes, sparsecore.optim.SGD(lr=0.1))
+    ours, ours_opt = build(sizes, sparsecore.optim.SGD(lr=0.1))
+    expected = plain_loop(ref, ref_opt, batches, schedulers(ref))
+    pipeline = sparsecore.TrainPipeline(ours, ours_opt, "tpu", read_ahead=read_ahead)
+    scheduler, log, ahead, got = schedulers(ours), [], [], []
+    it = drawn_from(batches, log)
+    for step in range(STEPS):
+        loss, _, _ = pipeline.progress(it)
+        scheduler.step()
+        got.append(loss.item())
+        ahead.append(len(log) - 1 - step)  # batches drawn past the one just trained
+    pipeline.close()
+    assert got == expected
+    assert_same_state(ref, ours)
+    assert [i for i, _ in log] == list(range(STEPS))
+    main = threading.get_ident()
+    if read_ahead:
+        assert all(thread != main for _, thread in log)
+        assert max(ahead) <= 2 and ahead[0] >= 1, ahead
+    else:
+        assert all(thread == main for _, thread in log)
+        assert max(ahead) == 1, ahead
+
+
+@pytest.mark.parametrize("read_ahead", [True, False], ids=["read_ahead", "on_the_loop"])
+def test_an_error_of_the_iterator_comes_out_of_the_step_that_fetches_its_batch(read_ahead):
+    batches, sizes = loader()
+    ref, ref_opt = build(sizes, sparsecore.optim.SGD(lr=0.1))
+    ours, ours_opt = build(sizes, sparsecore.optim.SGD(lr=0.1))
+    expected = plain_loop(ref, ref_opt, batches[:2], schedulers(ref))
+
+    def failing():
+        yield from batches[:3]
+        raise ValueError("line 384: 41 fields, expected 40")
+
+    pipeline = sparsecore.TrainPipeline(ours, ours_opt, "tpu", read_ahead=read_ahead)
+    scheduler, it, got = schedulers(ours), failing(), []
+    for _ in range(2):
+        loss, _, _ = pipeline.progress(it)  # step i fetches batch i + 1
+        scheduler.step()
+        got.append(loss.item())
+    with pytest.raises(ValueError, match="line 384"):
+        pipeline.progress(it)  # trains nothing: batch 2's step would fetch the bad batch 3 first
+    pipeline.close()
+    assert got == expected
+    assert_same_state(ref, ours)
+
+
+def test_a_new_iterator_and_close_stop_the_reader():
+    batches, sizes = loader()
+    model, opt = build(sizes, sparsecore.optim.SGD(lr=0.1))
+    pipeline = sparsecore.TrainPipeline(model, opt, "tpu")
+    pipeline.progress(iter(batches))
+    first = pipeline._reader._thread
+    assert first.is_alive()  # blocked on the batch it read ahead
+    for _ in range(2):
+        pipeline.progress(iter(batches[:2]))
+    assert not first.is_alive() and pipeline._reader._thread is not first
+    pipeline.close()
+    assert pipeline._reader is None
+    assert not any(t.name == "sparsecore-pipeline-reader" and t.is_alive() for t in threading.enumerate())
+
+
+def test_a_pipeline_dropped_without_close_stops_its_reader():
+    import gc
+
+    batches, sizes = loader()
+    model, opt = build(sizes, sparsecore.optim.SGD(lr=0.1))
+    pipeline = sparsecore.TrainPipeline(model, opt, "tpu")
+    pipeline.progress(iter(batches))
+    thread = pipeline._reader._thread
+    pipeline.synchronize()
+    del pipeline
+    gc.collect()
+    thread.join(5)
+    assert not thread.is_alive()
