@@ -653,29 +653,9 @@ def test_an_eager_segment_that_departs_from_its_ops_is_recorded_from_there(monke
     monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
     monkeypatch.setattr(defer_segments.TimedChoice, "next", lambda self: (defer_segments.EAGER, False))
 
-    def steps(mode: str, extra_at: int, n: int = 10, probe=None) -> list[torch.Tensor]:
-        torch.manual_seed(0)
-        w = torch.randn(8, 8, device="tpu", requires_grad=True)
-        x = torch.randn(4, 8, device="tpu")
-        losses = []
-        with torch_tpu.eager_mode(mode):
-            for i in range(n):
-                h = torch.tanh(x @ w)
-                if i == extra_at:
-                    h = h * 2.0 + 1.0  # a step unlike the others, from its third op
-                loss = h.square().mean()
-                loss.backward()
-                with torch.no_grad():
-                    w -= 0.1 * w.grad
-                    w.grad = None
-                losses.append(loss.detach().cpu())  # a sync point: one segment a step
-                if probe is not None:
-                    probe()
-        return losses + [w.detach().cpu()]
-
-    strict = steps("strict", extra_at=7)
+    strict = sgd_steps("strict", extra_at=7, sync="cpu")
     seen = []
-    deferred = steps("defer_and_fuse", extra_at=7, probe=lambda: seen.append(
+    deferred = sgd_steps("defer_and_fuse", extra_at=7, sync="cpu", after=lambda i: seen.append(
         (defer.stats().ops_recorded, defer.stats().eager_segments)))
     # Steps before the odd one ran eagerly (nothing recorded); the odd step records from where it departs.
     assert seen[6][1] >= 2 and seen[6][0] == seen[5][0], seen
@@ -684,9 +664,12 @@ def test_an_eager_segment_that_departs_from_its_ops_is_recorded_from_there(monke
         torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
-def synchronized_steps(mode: str, n: int = 10, extra_at: int = -1, probe=None) -> list[torch.Tensor]:
-    """SGD steps of a small model, each ending in torch.tpu.synchronize() (one segment a
-    step); ``extra_at``: a step with ops the others do not have; ``probe(i)`` runs mid-step."""
+def sgd_steps(mode: str, n: int = 10, extra_at: int = -1, probe=None, after=None,
+              sync: str = "synchronize") -> list[torch.Tensor]:
+    """SGD steps of a small model, each ending in a sync point (one segment a step): the
+    loss copied to the CPU (``sync="cpu"``) or torch.tpu.synchronize(). ``extra_at``: a
+    step with ops the others do not have, from its third op; ``probe(i)`` runs mid-step,
+    after the forward, ``after(i)`` after the sync point."""
     torch.manual_seed(0)
     w = torch.randn(8, 8, device="tpu", requires_grad=True)
     x = torch.randn(4, 8, device="tpu")
@@ -703,8 +686,13 @@ def synchronized_steps(mode: str, n: int = 10, extra_at: int = -1, probe=None) -
             with torch.no_grad():
                 w -= 0.1 * w.grad
                 w.grad = None
-            losses.append(loss.detach())
-            torch.tpu.synchronize()
+            if sync == "cpu":
+                losses.append(loss.detach().cpu())
+            else:
+                losses.append(loss.detach())
+                torch.tpu.synchronize()
+            if after is not None:
+                after(i)
     return [t.cpu() for t in losses] + [w.detach().cpu()]
 
 
@@ -717,9 +705,9 @@ def mode_stack() -> list:
 def test_eager_segments_ending_at_synchronize_run_without_the_mode(monkeypatch):
     monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
     monkeypatch.setattr(defer_segments.TimedChoice, "next", lambda self: (defer_segments.EAGER, False))
-    strict = synchronized_steps("strict", extra_at=7)
+    strict = sgd_steps("strict", extra_at=7)
     seen = []
-    deferred = synchronized_steps("defer_and_fuse", extra_at=7, probe=lambda i: seen.append(
+    deferred = sgd_steps("defer_and_fuse", extra_at=7, probe=lambda i: seen.append(
         (i, any(isinstance(m, defer.DeferAndFuse) for m in mode_stack()), defer.stats().ops_recorded)))
     recording = [i for i, on, _ in seen if on]
     # Recorded until settled (2 runs) and the one after (its successor learnt), then dormant:
@@ -736,9 +724,9 @@ def test_a_dormant_segment_chosen_recorded_again_brings_the_mode_back(monkeypatc
     monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
     choices = iter([defer_segments.EAGER] * 3 + [defer_segments.RECORDED] * 100)
     monkeypatch.setattr(defer_segments.TimedChoice, "next", lambda self: (next(choices), False))
-    strict = synchronized_steps("strict", n=12)
+    strict = sgd_steps("strict", n=12)
     seen = []
-    deferred = synchronized_steps("defer_and_fuse", n=12, probe=lambda i: seen.append(
+    deferred = sgd_steps("defer_and_fuse", n=12, probe=lambda i: seen.append(
         any(isinstance(m, defer.DeferAndFuse) for m in mode_stack())))
     assert False in seen and seen[-4:] == [True] * 4, seen
     first_off = seen.index(False)
@@ -769,8 +757,8 @@ def test_a_mode_entered_during_a_dormant_segment_keeps_its_place(monkeypatch):
             counting.__exit__(None, None, None)
         stacks.append([type(m).__name__ for m in mode_stack()])
 
-    strict = synchronized_steps("strict", n=12)
-    deferred = synchronized_steps("defer_and_fuse", n=12, probe=probe)
+    strict = sgd_steps("strict", n=12)
+    deferred = sgd_steps("defer_and_fuse", n=12, probe=probe)
     # DeferAndFuse never comes back above the other mode, which exits as it entered.
     assert stacks[6] == stacks[7] == stacks[8] == ["Counting"], stacks
     assert Counting.calls > 0 and "DeferAndFuse" not in stacks[9], stacks
@@ -781,7 +769,7 @@ def test_a_mode_entered_during_a_dormant_segment_keeps_its_place(monkeypatch):
 def test_leaving_and_reentering_defer_and_fuse_while_dormant(monkeypatch):
     monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
     monkeypatch.setattr(defer_segments.TimedChoice, "next", lambda self: (defer_segments.EAGER, False))
-    synchronized_steps("defer_and_fuse", n=8)
+    sgd_steps("defer_and_fuse", n=8)
     assert mode_stack() == []
     with torch_tpu.eager_mode("defer_and_fuse"):
         assert any(isinstance(m, defer.DeferAndFuse) for m in mode_stack())

@@ -240,11 +240,17 @@ def test_an_error_of_the_iterator_comes_out_of_the_step_that_fetches_its_batch(r
     assert_same_state(ref, ours)
 
 
-def test_a_new_iterator_and_close_stop_the_reader():
+def reading_pipeline():
+    """A pipeline one step into its batches, its reader waiting to hand over the next."""
     batches, sizes = loader()
     model, opt = build(sizes, sparsecore.optim.SGD(lr=0.1))
     pipeline = sparsecore.TrainPipeline(model, opt, "tpu")
     pipeline.progress(iter(batches))
+    return pipeline, batches
+
+
+def test_a_new_iterator_and_close_stop_the_reader():
+    pipeline, batches = reading_pipeline()
     first = pipeline._reader._thread
     assert first.is_alive()  # blocked on the batch it read ahead
     for _ in range(2):
@@ -258,10 +264,7 @@ def test_a_new_iterator_and_close_stop_the_reader():
 def test_a_pipeline_dropped_without_close_stops_its_reader():
     import gc
 
-    batches, sizes = loader()
-    model, opt = build(sizes, sparsecore.optim.SGD(lr=0.1))
-    pipeline = sparsecore.TrainPipeline(model, opt, "tpu")
-    pipeline.progress(iter(batches))
+    pipeline, _ = reading_pipeline()
     thread = pipeline._reader._thread
     pipeline.synchronize()
     del pipeline
