@@ -403,11 +403,7 @@ def traced_round(side: OurSide, data: list[Batch], settings: Settings, anchor: d
     for i in range(settings.steps):
         side.step(*data[i % len(data)])
     torch.tpu.synchronize()
-    summary = trace.summary()
-    start = min(i.start for i in trace.intervals)
-    summary["intervals"] = [(i.stage, i.lane, i.start - start, i.end - start) for i in trace.intervals]
-    summary["steps"] = settings.steps
-    return summary
+    return trace.summary(timeline=True) | {"steps": settings.steps}
 
 
 def measure_side(framework: str, kind: str, precision: str, build: Callable[[], Any], data: list[Batch],

@@ -73,14 +73,9 @@ def traced_round(loop: Loop, steps: int) -> dict[str, Any]:
     loop.trainer.pipeline.trace = trace
     executor_for(loop.trainer.device).trace = trace
     wall = loop.steps(steps)
-    summary = trace.summary()
-    summary["round_wall_s"] = wall
     loop.trainer.pipeline.trace = None
     executor_for(loop.trainer.device).trace = None
-    start = min(i.start for i in trace.intervals)
-    summary["intervals"] = [(i.stage, i.lane, i.start - start, i.end - start) for i in trace.intervals]
-    summary["steps"] = steps
-    return summary
+    return trace.summary(timeline=True) | {"round_wall_s": wall, "steps": steps}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

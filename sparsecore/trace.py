@@ -58,14 +58,20 @@ class StageTrace:
         with self._lock:
             self.intervals.clear()
 
-    def summary(self) -> dict[str, Any]:
-        """Wall time from the first start to the last end, and seconds per stage."""
+    def summary(self, timeline: bool = False) -> dict[str, Any]:
+        """Wall time from the first start to the last end, and seconds per stage; with
+        ``timeline``, also every interval as (stage, lane, start, end) in seconds from the
+        first start (for a plot)."""
         with self._lock:
             intervals = list(self.intervals)
         if not intervals:
-            return {"wall_s": 0.0, "stage_s": {}, "sum_of_stages_s": 0.0}
+            return {"wall_s": 0.0, "stage_s": {}, "sum_of_stages_s": 0.0} | ({"intervals": []} if timeline else {})
         per_stage: dict[str, float] = {}
         for i in intervals:
             per_stage[f"{i.lane}: {i.stage}"] = per_stage.get(f"{i.lane}: {i.stage}", 0.0) + i.seconds
-        wall = max(i.end for i in intervals) - min(i.start for i in intervals)
-        return {"wall_s": wall, "stage_s": per_stage, "sum_of_stages_s": sum(per_stage.values())}
+        first = min(i.start for i in intervals)
+        summary = {"wall_s": max(i.end for i in intervals) - first, "stage_s": per_stage,
+                   "sum_of_stages_s": sum(per_stage.values())}
+        if timeline:
+            summary["intervals"] = [(i.stage, i.lane, i.start - first, i.end - first) for i in intervals]
+        return summary

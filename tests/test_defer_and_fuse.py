@@ -786,29 +786,17 @@ def test_a_dormant_segment_ends_at_the_synchronize_its_recorded_runs_ended_at(mo
     monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
     monkeypatch.setattr(defer_segments.TimedChoice, "next", lambda self: (defer_segments.EAGER, False))
 
-    def steps(mode: str, probe=None) -> list[torch.Tensor]:
-        torch.manual_seed(0)
-        w = torch.randn(8, 8, device="tpu", requires_grad=True)
-        x = torch.randn(4, 8, device="tpu")
-        out = []
-        with torch_tpu.eager_mode(mode):
-            for i in range(10):
-                loss = torch.tanh(x @ w).square().mean()
-                torch.tpu.synchronize()
-                torch.tpu.synchronize()
-                if probe is not None:
-                    probe(i)
-                loss.backward()
-                with torch.no_grad():
-                    w -= 0.1 * w.grad
-                    w.grad = None
-                out.append(loss.detach())
-                torch.tpu.synchronize()
-        return [t.cpu() for t in out] + [w.detach().cpu()]
+    def twice(i):
+        torch.tpu.synchronize()
+        torch.tpu.synchronize()
 
-    strict = steps("strict")
+    def twice_then_look(i):
+        twice(i)
+        dormant.append(defer.engine().segments.dormant)
+
     dormant = []
-    deferred = steps("defer_and_fuse", probe=lambda i: dormant.append(defer.engine().segments.dormant))
+    strict = sgd_steps("strict", probe=twice)
+    deferred = sgd_steps("defer_and_fuse", probe=twice_then_look)
     assert dormant[-1] is not None and torch.ops.aten.tanh_backward.default in dormant[-1].ops, dormant[-1]
     assert dormant[-1] is dormant[-2]
     for a, b in zip(strict, deferred):
