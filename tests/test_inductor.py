@@ -1,8 +1,10 @@
 """Inductor on tpu (torch_tpu.inductor) and torch.compile(backend="tpu"):
 compiled results equal Strict's (forward, gradients, optimizer step), matmul
 precision included; buffers and outputs live in tpu memory; outputs that
-alias inputs share their storage; graphs that cannot keep tpu semantics run
-op by op; the runner keeps whichever of compiled / op by op measures faster."""
+alias inputs share their storage - whether a graph runs directly on the tpu
+tensors or on host views of them (torch_tpu.direct_run); graphs that cannot
+keep tpu semantics run op by op; the runner keeps whichever of compiled / op
+by op measures faster."""
 
 import copy
 import time
@@ -14,7 +16,7 @@ from torch import nn
 
 import torch_tpu
 
-from torch_tpu import inductor
+from torch_tpu import direct_run, inductor
 
 
 def zoo() -> dict:
@@ -98,17 +100,32 @@ def trace(fn, *args) -> torch.fx.GraphModule:
     return make_fx(fn, tracing_mode="fake")(*args)
 
 
-def test_buffers_and_outputs_live_in_tpu_memory():
+@pytest.fixture(params=["direct", "host views"])
+def direct(request, monkeypatch) -> bool:
+    """Whether graphs compiled in the test run directly on tpu tensors (else on host views)."""
+    if request.param == "host views":
+        monkeypatch.setattr(direct_run, "prepare", lambda compiled: False)
+    return request.param == "direct"
+
+
+def single(outputs):
+    """A one-output graph's output: a compile fresh from Inductor returns it bare, one loaded from the cache
+    as a 1-sequence."""
+    return outputs[0] if isinstance(outputs, (list, tuple)) else outputs
+
+
+def test_buffers_and_outputs_live_in_tpu_memory(direct):
     x = torch.randn(256, 256, device="tpu")
 
     def f(x):
         return (x.sin() @ x.cos()).tanh().sum(0)
 
     runner = inductor.compile_graph(trace(f, x), [x], choose=False)
+    assert runner.direct is direct
     torch.tpu.synchronize()
     before = torch.tpu.memory_allocated()
     torch.tpu.reset_peak_memory_stats()
-    out = runner(x)[0] if isinstance(runner(x), (list, tuple)) else runner(x)
+    out = single(runner(x))
     assert out.device.type == "tpu"
     torch.testing.assert_close(out.cpu(), f(x.cpu()), rtol=1e-4, atol=1e-3)
     assert torch.tpu.memory_allocated() - before == out.untyped_storage().nbytes()
@@ -116,14 +133,94 @@ def test_buffers_and_outputs_live_in_tpu_memory():
     assert torch.tpu.max_memory_allocated() - before >= 256 * 256 * 4
 
 
-def test_outputs_that_alias_inputs_share_their_storage():
+def test_outputs_that_alias_inputs_share_their_storage(direct):
     x = torch.randn(8, 6, device="tpu")
     runner = inductor.compile_graph(trace(lambda x: (x[2:], x * 2), x), [x], choose=False)
+    assert runner.direct is direct
     view, doubled = runner(x)
     assert view.device.type == "tpu" and doubled.device.type == "tpu"
     assert view.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
     x.add_(1)
     torch.testing.assert_close(view.cpu(), x.cpu()[2:])
+
+
+def mlp_layer(x, w, b, gamma, beta):
+    return nn.functional.gelu(nn.functional.layer_norm(x @ w + b, (w.shape[1],), gamma, beta)).sum(0)
+
+
+@pytest.mark.parametrize("precision", ["highest", "medium"])
+def test_direct_and_host_view_runs_agree_bit_for_bit(precision, monkeypatch):
+    torch.manual_seed(0)
+    args = [torch.randn(64, 32), torch.randn(32, 48), torch.randn(48), torch.randn(48), torch.randn(48)]
+    args = [a.to("tpu") for a in args]
+    gm = trace(mlp_layer, *args)
+    direct_runner = inductor.compile_graph(gm, args, choose=False)
+    monkeypatch.setattr(direct_run, "prepare", lambda compiled: False)
+    view_runner = inductor.compile_graph(gm, args, choose=False)
+    assert direct_runner.direct and not view_runner.direct
+    with torch.tpu.precision(precision):
+        direct_out, view_out = single(direct_runner(*args)), single(view_runner(*args))
+        strict = mlp_layer(*args)
+    assert direct_out.device.type == "tpu"
+    torch.testing.assert_close(direct_out.cpu(), view_out.cpu(), rtol=0, atol=0)
+    torch.testing.assert_close(direct_out.cpu(), strict.cpu(), rtol=1e-5, atol=1e-4)
+
+
+def test_a_graph_with_a_cpu_output_runs_on_host_views():
+    x = torch.randn(16, device="tpu")
+    runner = inductor.compile_graph(trace(lambda x: ((x * 2).sum().cpu(), x.exp()), x), [x], choose=False)
+    assert not runner.direct
+    total, exp = runner(x)
+    assert total.device.type == "cpu" and exp.device.type == "tpu"
+    torch.testing.assert_close(total, (x.cpu() * 2).sum())
+    torch.testing.assert_close(exp.cpu(), x.cpu().exp())
+
+
+def test_the_direct_allocator_follows_the_thread():
+    """Inside enter_direct the wrapper's allocations are tpu memory on that thread only; elsewhere cpu."""
+    import threading
+
+    empty_strided = direct_run._builtins()["empty_strided"]
+    enter, leave = direct_run.switches()
+    assert empty_strided((2, 3), (3, 1), torch.float32).device.type == "cpu"
+    previous = enter(0)
+    try:
+        t = empty_strided((2, 3), (3, 1), torch.bfloat16)
+        assert (t.device.type, t.dtype, t.shape, t.stride()) == ("tpu", torch.bfloat16, (2, 3), (3, 1))
+        elsewhere = []
+        other = threading.Thread(target=lambda: elsewhere.append(empty_strided((4,), (1,), torch.float32).device.type))
+        other.start()
+        other.join()
+        assert elsewhere == ["cpu"]
+    finally:
+        leave(previous)
+    assert empty_strided((2,), (1,), torch.float32).device.type == "cpu"
+    with pytest.raises(TypeError, match="torch.dtype"):
+        empty_strided((2,), (1,), "float32")
+
+
+def test_compiled_code_run_outside_a_direct_run_allocates_cpu_memory():
+    """Inductor loads one module per generated source, so a CPU compile of the same graph may
+    share the wrapper module a tpu graph re-pointed: called on CPU tensors outside a direct run,
+    its buffers and outputs are CPU memory."""
+    x = torch.randn(32, device="tpu")
+    runner = inductor.compile_graph(trace(lambda x: (x.sin() + 1).cos() * x, x), [x], choose=False)
+    assert runner.direct
+    assert direct_run._wrapper_globals(runner.compiled)["empty_strided_cpu"] is direct_run._builtins()["empty_strided"]
+    out = single(runner.compiled(x.cpu()))
+    assert out.device.type == "cpu"
+    torch.testing.assert_close(out, (x.cpu().sin() + 1).cos() * x.cpu())
+
+
+def test_a_direct_graph_runs_after_the_streams_queued_work():
+    x = torch.zeros(64, device="tpu")
+    runner = inductor.compile_graph(trace(lambda x: x.sin() + 1, x), [x], choose=False)
+    assert runner.direct
+    s = torch.tpu.Stream()
+    torch.tpu.submit(s, lambda: (time.sleep(0.1), x.fill_(3.0)))
+    with torch.tpu.stream(s):
+        y = single(runner(x))
+    torch.testing.assert_close(y.cpu(), torch.full((64,), 3.0).sin() + 1)
 
 
 def test_a_matmul_without_an_mxu_op_runs_op_by_op():

@@ -276,6 +276,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward(
   return {scope.adopt(std::get<0>(result)), scope.adopt(std::get<1>(result)), scope.adopt(std::get<2>(result))};
 }
 
+// torch.ops.torch_tpu.mxu_convolution_backward's schema (bias_sizes unused).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mxu_convolution_backward(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
+    at::OptionalIntArrayRef /*bias_sizes*/, c10::IntArrayRef stride, c10::IntArrayRef padding,
+    c10::IntArrayRef dilation, bool transposed, c10::IntArrayRef output_padding, int64_t groups,
+    std::array<bool, 3> output_mask) {
+  return convolution_backward(grad_output, input, weight, stride, padding, dilation, transposed, output_padding,
+                              groups, output_mask);
+}
+
 } // namespace
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
@@ -298,6 +308,17 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_addmm_activation", tpu_addmm_activation);
   m.impl("convolution_overrideable", convolution);
   m.impl("convolution_backward_overrideable", convolution_backward);
+}
+
+// torch.ops.torch_tpu.mxu_* on tpu tensors: compiled graphs that run directly
+// on tpu tensors (TpuDirectRun.cpp) call them as the tpu kernels above.
+TORCH_LIBRARY_IMPL(torch_tpu, PrivateUse1, m) {
+  m.impl("mxu_mm", tpu_mm);
+  m.impl("mxu_bmm", tpu_bmm);
+  m.impl("mxu_addmm", tpu_addmm);
+  m.impl("mxu_baddbmm", tpu_baddbmm);
+  m.impl("mxu_convolution", convolution);
+  m.impl("mxu_convolution_backward", mxu_convolution_backward);
 }
 
 } // namespace torch_tpu

@@ -1,0 +1,130 @@
+// Compiled graphs run directly on tpu tensors (torch_tpu/inductor.py).
+//
+// Inductor's CPU wrapper code hands its kernels data pointers, and a tpu
+// tensor's data pointer is host memory: a graph compiled for cpu can run on
+// the tpu tensors themselves, with no host views in and no adoption out, if
+// its buffers are tpu tensors too. Its wrapper allocates them all through one
+// module global, `empty_strided_cpu`; the Python layer points that global at
+// `empty_strided` below, which allocates tpu memory while the thread runs a
+// graph directly and CPU memory otherwise (a module may be shared with a
+// CPU compile of the same code).
+//
+// These are Python builtins, not torch ops: a graph allocates dozens of
+// buffers a call, and a torch op costs microseconds to call from Python.
+
+#include "TpuAllocator.h"
+#include "TpuDevice.h"
+#include "TpuStream.h"
+
+#include <ATen/EmptyTensor.h>
+#include <Python.h>
+#include <c10/core/TensorImpl.h>
+#include <c10/util/SmallVector.h>
+#include <torch/csrc/Dtype.h>
+
+// libtorch_python's; declared here rather than through its pybind11 header.
+PyObject* THPVariable_Wrap(const at::TensorBase& var);
+
+namespace torch_tpu {
+namespace {
+
+thread_local c10::DeviceIndex t_direct_device = -1;
+
+bool read_ints(PyObject* sequence, const char* what, c10::SmallVector<int64_t, 6>& out) {
+  PyObject* fast = PySequence_Fast(sequence, what);
+  if (fast == nullptr) return false;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  PyObject** items = PySequence_Fast_ITEMS(fast);
+  out.resize(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    out[i] = PyLong_AsLongLong(items[i]);
+    if (out[i] == -1 && PyErr_Occurred()) {
+      Py_DECREF(fast);
+      return false;
+    }
+  }
+  Py_DECREF(fast);
+  return true;
+}
+
+// empty_strided(size, stride, dtype): Inductor's _empty_strided_cpu, on the
+// tpu while the thread runs a graph directly.
+PyObject* empty_strided(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3 || !THPDtype_Check(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "empty_strided(size, stride, dtype): takes two int sequences and a torch.dtype");
+    return nullptr;
+  }
+  c10::SmallVector<int64_t, 6> size, stride;
+  if (!read_ints(args[0], "empty_strided: size must be a sequence of ints", size) ||
+      !read_ints(args[1], "empty_strided: stride must be a sequence of ints", stride)) {
+    return nullptr;
+  }
+  const auto dtype = reinterpret_cast<THPDtype*>(args[2])->scalar_type;
+  try {
+    if (t_direct_device < 0) {
+      return THPVariable_Wrap(at::detail::empty_strided_cpu(size, stride, dtype));
+    }
+    DeviceScope scope(t_direct_device);
+    return THPVariable_Wrap(at::detail::empty_strided_generic(
+        size, stride, &tpu_allocator(), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), dtype));
+  } catch (const std::exception& error) {  // an out-of-memory error, mostly
+    PyErr_SetString(PyExc_RuntimeError, error.what());
+    return nullptr;
+  }
+}
+
+// enter_direct(device) -> previous: after the device's queued stream work (as
+// every tpu op waits for it), graphs on this thread allocate on that tpu.
+PyObject* enter_direct(PyObject* /*self*/, PyObject* arg) {
+  const long device = PyLong_AsLong(arg);
+  if (device == -1 && PyErr_Occurred()) return nullptr;
+  if (device < 0 || device >= device_count()) {
+    PyErr_Format(PyExc_ValueError, "enter_direct: no tpu device %ld (%d devices)", device,
+                 static_cast<int>(device_count()));
+    return nullptr;
+  }
+  try {
+    wait_current_stream(static_cast<c10::DeviceIndex>(device));
+  } catch (const std::exception& error) {
+    PyErr_SetString(PyExc_RuntimeError, error.what());
+    return nullptr;
+  }
+  const auto previous = t_direct_device;
+  t_direct_device = static_cast<c10::DeviceIndex>(device);
+  return PyLong_FromLong(previous);
+}
+
+// exit_direct(previous): back to what enter_direct returned.
+PyObject* exit_direct(PyObject* /*self*/, PyObject* arg) {
+  const long previous = PyLong_AsLong(arg);
+  if (previous == -1 && PyErr_Occurred()) return nullptr;
+  t_direct_device = static_cast<c10::DeviceIndex>(previous);
+  Py_RETURN_NONE;
+}
+
+PyMethodDef kMethods[] = {
+    {"empty_strided", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(empty_strided)), METH_FASTCALL,
+     "Inductor's empty_strided_cpu, allocating tpu memory while the thread runs a graph directly."},
+    {"enter_direct", enter_direct, METH_O, "Graphs on this thread allocate on the given tpu; returns the previous."},
+    {"exit_direct", exit_direct, METH_O, "Restores what enter_direct returned."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+} // namespace
+} // namespace torch_tpu
+
+// A dict of the builtins above, for torch_tpu/_backend.py (through ctypes.PyDLL).
+extern "C" PyObject* torch_tpu_direct_run_functions() {
+  PyObject* functions = PyDict_New();
+  if (functions == nullptr) return nullptr;
+  for (PyMethodDef* def = torch_tpu::kMethods; def->ml_name != nullptr; ++def) {
+    PyObject* fn = PyCFunction_New(def, nullptr);
+    if (fn == nullptr || PyDict_SetItemString(functions, def->ml_name, fn) != 0) {
+      Py_XDECREF(fn);
+      Py_DECREF(functions);
+      return nullptr;
+    }
+    Py_DECREF(fn);
+  }
+  return functions;
+}
