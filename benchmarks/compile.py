@@ -15,8 +15,8 @@ at exact fp32 (torch and tpu matmul precision "highest"):
     LayerNorm, GELU], batch 256, AdamW);
 (c) its transformer block (d=512, 8 heads, seq 128, batch 16, AdamW).
 
-Optimizers step as on the CPU (host step count) except under DeferAndFuse,
-whose graphs need the step count on the device (capturable, as models.train).
+Every variant steps the same optimizers, as the user wrote them (host step
+count; see benchmarks.eager_modes for what DeferAndFuse makes of them).
 
 Variants: plain CPU eager (the anchor), CPU ``torch.compile`` (Inductor), tpu
 Strict, tpu DeferAndFuse (after its graphs have compiled and chosen compiled
@@ -52,7 +52,7 @@ import torch
 
 from benchmarks import report
 from benchmarks.eager_modes import WORKLOADS as EAGER_WORKLOADS
-from benchmarks.eager_modes import Workload, capturable, exact_fp32, measure, timing_arguments
+from benchmarks.eager_modes import Workload, exact_fp32, measure, timing_arguments
 from torch_tpu.inductor import ChoosingRunner
 
 if TYPE_CHECKING:  # the DLRM stack (torchrec) loads only when its workload runs
@@ -124,8 +124,7 @@ def dlrm_make_step(workload: Workload, variant: str) -> tuple[Callable[[], None]
     device = "tpu" if variant.startswith("tpu") else "cpu"
     model = dlrm_model(device)
     batches = itertools.cycle(dlrm_batches(model, device))
-    optimizer = torch.optim.Adam(dense_parameters(model), lr=dlrm_config().dense_lr,
-                                 capturable=capturable(variant))
+    optimizer = torch.optim.Adam(dense_parameters(model), lr=dlrm_config().dense_lr)
     forward, update = DLRMTrain(model), optimizer.step
     if variant.endswith("compiled"):
         backend = "tpu" if device == "tpu" else "inductor"

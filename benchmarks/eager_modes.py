@@ -9,8 +9,11 @@ AdamW) of three workloads, all at exact fp32 (tpu "highest", CPU "highest"):
 (b) a small-op-bound step: 4 x [Linear(256), LayerNorm, GELU] at batch 256;
 (c) a transformer block: d=512, 8 heads, seq 128, batch 16.
 
-Optimizers step as on the CPU (host step count) except under DeferAndFuse,
-whose graphs need the step count on the device (capturable, as models.train).
+Every variant steps the same AdamW, as the user wrote it (host step count).
+Under DeferAndFuse its bias corrections are new scalars every step, so the
+step's graph never recurs: DeferAndFuse replays it, then chooses between
+recording and running the step eagerly by measurement
+(torch_tpu.defer_segments).
 
 Variants: plain CPU eager (the anchor), CPU ``torch.compile`` (Inductor),
 tpu Strict, tpu Debug, tpu ``torch.compile(backend="tpu")`` (Inductor on tpu,
@@ -106,20 +109,13 @@ VARIANTS = ["cpu eager", "cpu compiled", "tpu strict", "tpu debug", "tpu defer_a
 MODES = {"tpu debug": "debug", "tpu defer_and_fuse": "defer_and_fuse"}
 
 
-def capturable(variant: str) -> bool:
-    """Under DeferAndFuse the optimizer keeps its step count on the device, so its updates
-    are the same ops every step and the graphs recur (as models.train does); every other
-    variant steps as CPU AdamW does (which cannot be capturable), host step count included."""
-    return variant == "tpu defer_and_fuse"
-
-
 def make_step(workload: Workload, variant: str) -> tuple[Callable[[], None], str]:
     torch.manual_seed(0)
     model, inputs = workload.build()
     device = "tpu" if variant.startswith("tpu") else "cpu"
     model = model.to(device)
     inputs = tuple(t.detach().to(device).requires_grad_(t.requires_grad) for t in inputs)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, capturable=capturable(variant))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     forward, update = model, optimizer.step
     if variant.endswith("compiled"):
         backend = "tpu" if device == "tpu" else "inductor"

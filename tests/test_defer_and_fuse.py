@@ -665,11 +665,11 @@ def test_an_eager_segment_that_departs_from_its_ops_is_recorded_from_there(monke
 
 
 def sgd_steps(mode: str, n: int = 10, extra_at: int = -1, probe=None, after=None,
-              sync: str = "synchronize") -> list[torch.Tensor]:
+              sync: str = "synchronize", lr=lambda i: 0.1) -> list[torch.Tensor]:
     """SGD steps of a small model, each ending in a sync point (one segment a step): the
     loss copied to the CPU (``sync="cpu"``) or torch.tpu.synchronize(). ``extra_at``: a
     step with ops the others do not have, from its third op; ``probe(i)`` runs mid-step,
-    after the forward, ``after(i)`` after the sync point."""
+    after the forward, ``after(i)`` after the sync point; ``lr(i)``: step i's learning rate."""
     torch.manual_seed(0)
     w = torch.randn(8, 8, device="tpu", requires_grad=True)
     x = torch.randn(4, 8, device="tpu")
@@ -684,7 +684,7 @@ def sgd_steps(mode: str, n: int = 10, extra_at: int = -1, probe=None, after=None
             loss = h.square().mean()
             loss.backward()
             with torch.no_grad():
-                w -= 0.1 * w.grad
+                w -= lr(i) * w.grad
                 w.grad = None
             if sync == "cpu":
                 losses.append(loss.detach().cpu())
@@ -694,6 +694,26 @@ def sgd_steps(mode: str, n: int = 10, extra_at: int = -1, probe=None, after=None
             if after is not None:
                 after(i)
     return [t.cpu() for t in losses] + [w.detach().cpu()]
+
+
+def test_a_segment_whose_graph_is_new_every_step_still_gets_its_choice(monkeypatch):
+    """A scalar that changes every step - a scheduled lr here, a plain AdamW's bias corrections
+    in practice - makes the step's graph new every time: never compiled, replayed op by op.
+    Its segment still gets the recorded-or-eager choice rather than recording forever."""
+    monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
+    monkeypatch.setattr(defer._Engine, "_record", slowed(defer._Engine._record, 0.0005))
+
+    def scheduled(i):
+        return 0.1 / (i + 1)
+
+    strict = sgd_steps("strict", n=20, lr=scheduled)
+    deferred = sgd_steps("defer_and_fuse", n=20, lr=scheduled)
+    stats = defer.stats()
+    assert stats.compiled_runs == 0 and stats.eager_segments >= 8, stats
+    chosen = [s.choice.chosen for s in defer.engine().segments.known.values() if s.choice is not None]
+    assert chosen == [defer_segments.EAGER], chosen
+    for a, b in zip(strict, deferred):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
 def mode_stack() -> list:

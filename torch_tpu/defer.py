@@ -672,7 +672,7 @@ class _Engine:
             self.stats.graphs += 1
             self.stats.materialized_by[reason] += 1
             with _no_dispatch_modes(), torch.no_grad():
-                values, compiled, settled = self.graphs.run(g, outputs)
+                values, compiled, settled, first_run = self.graphs.run(g, outputs)
                 if compiled:
                     self.stats.compiled_runs += 1
                 else:
@@ -682,7 +682,7 @@ class _Engine:
                         _copy_unversioned(b.tensor, value)
                     del value
                 del values
-            self.segments.materialized(settled, at_host_boundary)
+            self.segments.materialized(settled, at_host_boundary, new_graph=first_run)
 
     def host_boundary(self, reason: str, may_sleep: bool | None) -> bool:
         """A host boundary on the recording thread: counted, the pending graph run,

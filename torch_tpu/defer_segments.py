@@ -11,7 +11,8 @@ A *segment* is the sequence of ops DeferAndFuse saw (by OpOverload) from one
 materialization of a graph to the next: a training step that ends in a sync
 point, the period the repeat detector cuts. Once a segment has run recorded
 ``MIN_SETTLED_RUNS`` times with its graph settled (compiled and its runner
-chosen, or never to be compiled), its next occurrences go through a
+chosen, or never to be compiled - a graph new every time, its scalars
+changing, is never compiled), its next occurrences go through a
 TimedChoice between recorded and eager - predicted from which segment
 followed the last one, each op checked against the prediction as it comes.
 An eager segment runs Strict's kernels on real memory, op by op, recording
@@ -89,12 +90,19 @@ class Segments:
             log.clear()
             self._start = self._last = None
 
-    def materialized(self, settled: bool, at_host_boundary: bool = False) -> None:
+    def materialized(self, settled: bool, at_host_boundary: bool = False, new_graph: bool = False) -> None:
         """A recorded segment ends: its graph ran; ``settled``: as it will from now on;
-        ``at_host_boundary``: at one (counted already by ``count_host_boundary``)."""
+        ``at_host_boundary``: at one (counted already by ``count_host_boundary``);
+        ``new_graph``: the graph ran for the first time.
+
+        A segment seen before whose graph is new again - its ops the same, a scalar
+        argument not (a plain AdamW's bias corrections, a scheduled lr) - replays op
+        by op, never compiled, and will each time: that run is settled too, so the
+        segment gets its recorded-or-eager choice rather than recording forever."""
         ops = tuple(self.log)
         self.log = []
         boundaries = self.boundaries
+        settled = settled or (new_graph and ops in self.known)
         segment = self._ended(ops, RECORDED, settled)
         if segment is not None:
             segment.host_boundaries = boundaries if at_host_boundary else None

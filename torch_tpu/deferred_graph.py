@@ -12,9 +12,10 @@ place either way - the compiled graph as input mutations - so no second copy
 of them is made.
 
 Scalar arguments are part of the key, so a graph whose scalars change every
-step (an optimizer's bias corrections computed on the host) never recurs:
-keep such values in tensors - ``capturable=True`` optimizers, a tensor lr -
-as on XLA.
+step (an optimizer's bias corrections computed on the host) never recurs and
+is never compiled: keep such values in tensors - ``capturable=True``
+optimizers, a tensor lr - as on XLA, or let its segment run eagerly, as
+DeferAndFuse chooses when recording it does not pay (torch_tpu.defer_segments).
 """
 
 from __future__ import annotations
@@ -232,9 +233,10 @@ class GraphCache:
             raise ValueError(f"{COMPILE_VARIABLE}={mode!r}: expected one of {COMPILE_MODES}")
         return mode
 
-    def run(self, graph: Any, outputs: list[tuple]) -> tuple[list[torch.Tensor], bool, bool]:
-        """The output values, whether the compiled graph produced them, and
-        whether the graph now runs as it will from now on (_Entry.settled)."""
+    def run(self, graph: Any, outputs: list[tuple]) -> tuple[list[torch.Tensor], bool, bool, bool]:
+        """The output values, whether the compiled graph produced them, whether
+        the graph now runs as it will from now on (_Entry.settled), and whether
+        this was its first run."""
         key = graph_key(graph, outputs)
         entry = self.entries.get(key)
         if entry is None:
@@ -246,7 +248,7 @@ class GraphCache:
             entry.written = written_inputs(graph)
         with versions_kept([graph.inputs[k] for k in entry.written]):
             values, compiled = self._run(entry, graph, outputs)
-        return values, compiled, entry.settled()
+        return values, compiled, entry.settled(), entry.runs == 1
 
     def _run(self, entry: _Entry, graph: Any, outputs: list[tuple]) -> tuple[list[torch.Tensor], bool]:
         if entry.runs == COMPILE_AT_RUN:
