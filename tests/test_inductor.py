@@ -212,6 +212,19 @@ def test_compiled_code_run_outside_a_direct_run_allocates_cpu_memory():
     torch.testing.assert_close(out, (x.cpu().sin() + 1).cos() * x.cpu())
 
 
+def test_a_direct_graph_on_another_device_allocates_there():
+    x = torch.randn(64, 64, device="tpu:1")
+    runner = inductor.compile_graph(trace(lambda x: (x @ x).relu() + 1, x), [x], choose=False)
+    assert runner.direct
+    torch.tpu.synchronize(1)
+    before = [torch.tpu.memory_allocated(d) for d in (0, 1)]
+    out = single(runner(x))
+    after = [torch.tpu.memory_allocated(d) for d in (0, 1)]
+    assert out.device == torch.device("tpu:1") and torch.tpu.current_device() == 0
+    assert after[0] == before[0] and after[1] - before[1] == out.untyped_storage().nbytes()
+    torch.testing.assert_close(out.cpu(), ((x @ x).relu() + 1).cpu(), rtol=0, atol=0)  # Strict's numbers
+
+
 def test_a_direct_graph_runs_after_the_streams_queued_work():
     x = torch.zeros(64, device="tpu")
     runner = inductor.compile_graph(trace(lambda x: x.sin() + 1, x), [x], choose=False)
