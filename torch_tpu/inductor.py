@@ -72,15 +72,6 @@ class NotCompilable(RuntimeError):
     """The graph holds something the CPU compile cannot run with tpu semantics."""
 
 
-def decompositions() -> dict[Any, Callable]:
-    """Inductor's decompositions minus the matmul family: those stay whole so
-    they become MXU ops (Inductor would turn small mm/mv into exact sums)."""
-    from torch._inductor.decomposition import select_decomp_table
-
-    keep = set(MXU_OPS) | UNMAPPED_MXU_OPS
-    return {op: fn for op, fn in select_decomp_table().items() if getattr(op, "overloadpacket", op) not in keep}
-
-
 def _host_device(value: Any) -> Any:
     if isinstance(value, torch.device) and value.type == "tpu":
         return torch.device("cpu")
