@@ -12,13 +12,12 @@
 // These are Python builtins, not torch ops: a graph allocates dozens of
 // buffers a call, and a torch op costs microseconds to call from Python.
 
-#include "TpuAllocator.h"
 #include "TpuDevice.h"
+#include "TpuStorage.h"
 #include "TpuStream.h"
 
 #include <ATen/EmptyTensor.h>
 #include <Python.h>
-#include <c10/core/TensorImpl.h>
 #include <c10/util/SmallVector.h>
 #include <torch/csrc/Dtype.h>
 
@@ -64,9 +63,7 @@ PyObject* empty_strided(PyObject* /*self*/, PyObject* const* args, Py_ssize_t na
     if (t_direct_device < 0) {
       return THPVariable_Wrap(at::detail::empty_strided_cpu(size, stride, dtype));
     }
-    DeviceScope scope(t_direct_device);
-    return THPVariable_Wrap(at::detail::empty_strided_generic(
-        size, stride, &tpu_allocator(), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), dtype));
+    return THPVariable_Wrap(empty_strided_on(t_direct_device, size, stride, dtype));
   } catch (const std::exception& error) {  // an out-of-memory error, mostly
     PyErr_SetString(PyExc_RuntimeError, error.what());
     return nullptr;

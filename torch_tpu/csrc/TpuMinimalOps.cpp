@@ -55,6 +55,16 @@ namespace {
 
 constexpr auto kTpuKeys = c10::DispatchKeySet(c10::DispatchKey::PrivateUse1);
 
+} // namespace
+
+at::Tensor empty_strided_on(c10::DeviceIndex device, c10::IntArrayRef size, c10::IntArrayRef stride,
+                            c10::ScalarType dtype) {
+  DeviceScope scope(device);
+  return at::detail::empty_strided_generic(size, stride, &tpu_allocator(), kTpuKeys, dtype);
+}
+
+namespace {
+
 at::Tensor empty_memory_format(
     c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
     std::optional<c10::Layout> layout, std::optional<c10::Device> device,
@@ -70,9 +80,7 @@ at::Tensor empty_strided(
     std::optional<c10::Layout> layout, std::optional<c10::Device> device,
     std::optional<bool> /*pin_memory*/) {
   TORCH_CHECK(!layout.has_value() || *layout == c10::kStrided, "tpu supports strided tensors only");
-  DeviceScope scope(index_of(device));
-  return at::detail::empty_strided_generic(
-      size, stride, &tpu_allocator(), kTpuKeys, c10::dtype_or_default(dtype));
+  return empty_strided_on(index_of(device), size, stride, c10::dtype_or_default(dtype));
 }
 
 at::Tensor as_strided(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride,

@@ -11,6 +11,10 @@ namespace torch_tpu {
 // The tpu device index of `device` (the current device when it has none); raises for a non-tpu device.
 c10::DeviceIndex index_of(std::optional<c10::Device> device);
 
+// A fresh strided tpu tensor on tpu:`device` (the empty_strided kernel's allocation).
+at::Tensor empty_strided_on(c10::DeviceIndex device, c10::IntArrayRef size, c10::IntArrayRef stride,
+                            c10::ScalarType dtype);
+
 // A view of `self`'s storage with the given geometry (no bounds check).
 at::Tensor alias_with(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride,
                       int64_t storage_offset);
