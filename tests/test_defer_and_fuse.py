@@ -609,6 +609,73 @@ def test_in_place_updates_of_real_tensors_take_no_second_copy(compile_mode, monk
         assert defer.stats().compiled_runs > 0, defer.stats()
 
 
+# ---- 9b. torch.compile under the mode ----
+
+@pytest.mark.parametrize("name", ["mlp", "cnn with batchnorm"])
+def test_a_model_compiled_with_the_tpu_backend_trains_under_the_mode(name):
+    """Dynamo compiles with the mode off; the compiled forward and backward run as
+    sync points on real memory (the optimizer's recorded writes materialized before
+    them), and the numbers are compiled Strict's. BatchNorm's running statistics are
+    an input mutation, written back around the compiled graph."""
+    model, x = zoo()[name]
+    torch._dynamo.reset()
+    strict = train_steps(model, x, compiled=True, steps=3)
+    torch._dynamo.reset()
+    defer.reset_stats()
+    deferred = train_steps(model, x, compiled=True, mode="defer_and_fuse", steps=3)
+    stats = defer.stats()
+    assert stats.materialized_by["torch.compile graph"] >= 2, stats  # the optimizer's pending writes, each step
+    assert stats.ops_recorded > 0, stats
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # compiled, not skipped for the mode
+    # Each compiled graph measures itself compiled against op by op at its first calls, in either
+    # mode: fp32 rounding apart, no more.
+    for a, b in zip(strict, deferred):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+def test_a_function_first_called_under_the_mode_is_compiled_for_strict_too():
+    """Dynamo skips for good a function it refused to compile: called first under
+    the mode, it must compile, or it would run uncompiled from then on."""
+    torch._dynamo.reset()
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.append(gm)
+        return gm
+
+    fn = torch.compile(lambda x: torch.relu(x) * 2 + 1, backend=backend)
+    x = torch.randn(4, 4, device="tpu")
+    with deferring():
+        assert torch.equal(fn(x).cpu(), torch.relu(x.cpu()) * 2 + 1)
+    assert len(calls) == 1
+    assert torch.equal(fn(x).cpu(), torch.relu(x.cpu()) * 2 + 1)
+    assert len(calls) == 1  # the same compile, from Dynamo's cache
+
+
+def test_ops_run_eagerly_inside_a_compiled_function_are_recorded_as_usual():
+    """At a graph break (``.item()`` here) the function's own ops run eagerly
+    while Dynamo watches new frames; the mode's frames are kept from it - before,
+    Dynamo traced them as user code and failed on a pending tensor."""
+    torch._dynamo.reset()
+
+    def f(x):
+        y = torch.sin(x) * 2
+        n = y.sum().item()  # a graph break: run eagerly
+        return y + n
+
+    fn = torch.compile(f, backend="tpu")
+    x0 = torch.randn(5, 3)
+    expected = f(x0.to("tpu")).cpu()
+    frames = torch._dynamo.utils.counters["frames"]
+    traced = frames["total"]
+    with deferring():
+        x = x0.to("tpu") * 1.0  # pending: the compiled graph before the break gets it materialized
+        result = fn(x).cpu()
+    assert frames["total"] - traced == 2  # f and its resumption after the break, none of the mode's
+    assert defer.stats().ops_recorded > 0
+    torch.testing.assert_close(result, expected, rtol=1e-6, atol=1e-6)
+
+
 # ---- 10. segments: recorded or run eagerly ----
 
 def slowed(method, seconds: float):

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from torch_tpu import inductor
+from torch_tpu import defer, inductor
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +31,15 @@ MAX_SPECIALIZATIONS = 8
 
 
 def _compile_boxed(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-    from functorch.compile import make_boxed_func
+    run = inductor.compile_graph(gm, example_inputs)
 
-    return make_boxed_func(inductor.compile_graph(gm, example_inputs))
+    def call(args: list) -> Any:  # AOTAutograd's boxed convention: the arguments as one list
+        if torch._C._len_torch_dispatch_stack():  # DeferAndFuse, say: the graph is a sync point
+            return defer.run_unrecorded(run, args, "torch.compile graph")
+        return run(*args)
+
+    call._boxed_call = True
+    return call
 
 
 def _aot_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:

@@ -12,6 +12,8 @@ something needs real memory:
 * any op outside aten/prims but the graph ops (torch_tpu.graph_ops: the
   fused DLRM interaction) - collectives, the SparseCore kernels -, work
   submitted to a tpu stream, ``torch.tpu.synchronize()``;
+* a graph of ``torch.compile(backend="tpu")``: it runs with the mode off, on
+  real memory (``run_unrecorded``); Dynamo compiles with the mode off too;
 * the materialization hooks (torch_tpu.materialization_hooks): ``torch.save``,
   ``Tensor.data_ptr``, ``Tensor.untyped_storage``, ``Tensor.numpy``, printing
   - and whatever an extension adds with ``register_materialization_hook``;
@@ -265,7 +267,17 @@ class DeferAndFuse(TorchDispatchMode):
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        return False  # no _disable_dynamo wrapper: it costs microseconds on every op
+        # No _disable_dynamo wrapper: it costs microseconds on every op. Dynamo is
+        # kept out of the mode's frames by _hide_from_dynamo instead, at no cost per op.
+        return False
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch.compile works under the mode: Dynamo compiles with every mode off (as
+        # always), and the compiled graphs run as sync points (run_unrecorded). Were this
+        # False, Dynamo would refuse to compile a function first called under the mode -
+        # for good: it skips that code from then on, in Strict too.
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         engine = self.engine
@@ -820,6 +832,42 @@ def materialize(reason: str = "materialize()") -> None:
     elif not sleep and dormant is not None:
         _local.dormant_depth = None
         mode.__enter__()
+
+
+def run_unrecorded(fn: Any, args: Any, reason: str) -> Any:
+    """``fn(*args)`` - a compiled graph, whose kernels read and write memory without
+    aten ops - as a sync point when DeferAndFuse is on this thread's dispatch stack
+    (autograd's backward threads included): the pending graph is materialized, so the
+    arguments are real, and ``fn`` runs with the dispatch modes off, so its own ops
+    run at once on real memory and its outputs are real tensors. Otherwise, or while
+    the mode is dormant (nothing pending), just ``fn(*args)``."""
+    if _engine is None or not any(isinstance(m, DeferAndFuse) for m in _dispatch_mode_stack()):
+        return fn(*args)
+    _engine.materialize(reason)
+    with _no_dispatch_modes():
+        return fn(*args)
+
+
+def _dispatch_mode_stack() -> list:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return _get_current_dispatch_mode_stack()
+
+
+def _hide_from_dynamo(*codes: Any) -> None:
+    """Dynamo never traces these frames nor any frame they call. Inside its own
+    ``__torch_dispatch__`` the mode is off the stack, so while a compiled function
+    runs (the ops of a graph break, say) Dynamo would otherwise take the mode's
+    Python for user code and trace it."""
+    from torch._C._dynamo import eval_frame
+
+    skip = eval_frame._FrameExecStrategy(eval_frame._FrameAction.SKIP, eval_frame._FrameAction.SKIP)
+    for code in codes:
+        eval_frame.set_code_exec_strategy(code, skip)
+
+
+_hide_from_dynamo(DeferAndFuse.__torch_dispatch__.__code__, materialize.__code__,
+                  *materialization_hooks.wrapper_codes())
 
 
 def stats() -> DeferStats:

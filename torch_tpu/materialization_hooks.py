@@ -12,6 +12,7 @@ them too.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +52,11 @@ def uninstall() -> None:
         original = _originals.pop((id(owner), name), None)
         if original is not None:
             setattr(owner, name, original)
+
+
+def wrapper_codes() -> list[types.CodeType]:
+    """The code of the wrappers ``_install`` makes (for torch_tpu.defer to keep Dynamo out of them)."""
+    return [c for c in _install.__code__.co_consts if isinstance(c, types.CodeType)]
 
 
 def _install(owner: Any, name: str) -> None:
