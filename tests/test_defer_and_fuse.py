@@ -890,6 +890,70 @@ def test_a_dormant_segment_ends_at_the_synchronize_its_recorded_runs_ended_at(mo
         torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
+def masked_steps(mode: str, n: int = 12, probe=None) -> list[torch.Tensor]:
+    """Steps cut in two inside an op - a boolean mask's data-dependent shape, as a
+    SparseCore kernel or a collective cuts a DLRM step - and ending in
+    torch.tpu.synchronize(). ``probe(i)`` runs after the backward."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, device="tpu", requires_grad=True)
+    x = torch.randn(4, 8, device="tpu")
+    losses = []
+    with torch_tpu.eager_mode(mode):
+        for i in range(n):
+            h = torch.tanh(x @ w)
+            loss = h.square().mean() + 0.1 * h[h > 0].sum()
+            loss.backward()
+            if probe is not None:
+                probe(i)
+            with torch.no_grad():
+                w -= 0.1 * w.grad
+                w.grad = None
+            losses.append(loss.detach())
+            torch.tpu.synchronize()
+    return [t.cpu() for t in losses] + [w.detach().cpu()]
+
+
+def mode_on() -> bool:
+    return any(isinstance(m, defer.DeferAndFuse) for m in mode_stack())
+
+
+def test_a_step_cut_inside_an_op_runs_dormant_as_a_chain(monkeypatch):
+    """Neither of the step's segments can run dormant alone (one begins, the other
+    ends, inside the mask's op); together, from synchronize to synchronize, they do."""
+    monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
+    monkeypatch.setattr(defer_segments.TimedChoice, "next", lambda self: (defer_segments.EAGER, False))
+    monkeypatch.setattr(defer_segments.TimedChoice, "peek", lambda self: (defer_segments.EAGER, False))
+    strict = masked_steps("strict")
+    seen = []
+    deferred = masked_steps("defer_and_fuse", probe=lambda i: seen.append((mode_on(), defer.stats().ops_recorded)))
+    chains = defer.engine().segments.chains
+    assert [len(chain) for chain in chains] == [2], chains  # the mask's op cuts the step in two
+    # Recorded until both segments settled and their order learnt, then away for every later step.
+    first_off = [on for on, _ in seen].index(False)
+    assert first_off <= 4 and not any(on for on, _ in seen[first_off:]), seen
+    assert seen[-1][1] == seen[first_off][1], seen  # nothing recorded since
+    assert defer.stats().eager_segments >= 2 * (len(seen) - first_off - 1), defer.stats()
+    for a, b in zip(strict, deferred):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    assert not mode_on()
+
+
+def test_a_chain_runs_dormant_when_that_measures_faster(monkeypatch):
+    """The chain's own choice times it from synchronize to synchronize, dormant
+    against as its segments chose - here with the mode made slow, so dormant wins."""
+    monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
+    monkeypatch.setattr(defer._Engine, "run_eagerly", slowed(defer._Engine.run_eagerly, 0.0005))
+    monkeypatch.setattr(defer._Engine, "_record", slowed(defer._Engine._record, 0.0005))
+    strict = masked_steps("strict", n=40)
+    seen = []
+    deferred = masked_steps("defer_and_fuse", n=40, probe=lambda i: seen.append(mode_on()))
+    (choice,) = defer.engine().segments.chains.values()
+    assert choice.chosen == defer_segments.DORMANT, choice.times
+    assert not any(seen[-5:]), seen
+    for a, b in zip(strict, deferred):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
 def test_an_eager_segment_ends_at_its_synchronize_when_autograds_copies_do_not_come(monkeypatch):
     """Recorded, a backward ending a segment copies gradients whose meta strides
     differ from their parameters' (new_empty_strided, copy_); run eagerly it does

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from torch_tpu import defer, inductor
+from torch_tpu import eager, inductor
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def _compile_boxed(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> C
 
     def call(args: list) -> Any:  # AOTAutograd's boxed convention: the arguments as one list
         if torch._C._len_torch_dispatch_stack():  # DeferAndFuse, say: the graph is a sync point
-            return defer.run_unrecorded(run, args, "torch.compile graph")
+            return eager.run_unrecorded(run, args, "torch.compile graph")
         return run(*args)
 
     call._boxed_call = True

@@ -707,12 +707,11 @@ class _Engine:
             self.materialize(reason)
             if may_sleep is None:
                 return segments.dormant is not None
-            dormant = segments.dormant
             sleep, ended = segments.after_host_boundary(may_sleep)
-            if ended is not None:
+            for segment, dormant in ended:
                 self.stats.eager_segments += 1
-                if ended is dormant:  # an eager segment's ops are counted as they run
-                    self.stats.ops_run_eagerly += len(ended.ops)
+                if dormant:  # an eager segment's ops are counted as they run
+                    self.stats.ops_run_eagerly += len(segment.ops)
             return sleep
 
 

@@ -30,6 +30,17 @@ recorded runs - brings the mode back (or keeps it away, when the next
 segment is dormant too). Nothing is pending while a segment runs eagerly, so
 a dormant segment is exactly Strict, whatever ops it turns out to run; only
 the prediction of what follows it rests on its ops being the expected ones.
+
+A step that calls the SparseCore engine or a collective is cut into several
+segments there, inside an op, where the mode cannot leave, so none of them
+could run dormant alone. The segments predicted from a host boundary to the
+next - a *chain*: none but the last saw a host boundary, each is settled
+with its choice made - can run dormant together: the mode leaves at the
+boundary before the first and comes back at the one that ends the last.
+Whether a chain runs dormant or as each of its segments chose (the mode on)
+is a TimedChoice of its own, timed from boundary to boundary: a segment's own
+eager runs are timed with the mode on, and so would never show what running
+without it saves.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ import torch
 from torch_tpu.timed_choice import TimedChoice
 
 RECORDED, EAGER = 0, 1
+AS_PLANNED, DORMANT = 0, 1  # a chain's variants
 # Ops autograd issues on pending tensors and not on real ones (or the other
 # way round): metadata only, so they run as they come in an eager segment and
 # are not part of a segment's ops.
@@ -57,12 +69,16 @@ class _Segment:
     choice: TimedChoice | None = None
     # Its last recorded run ended at the k-th host boundary since it began (None: elsewhere).
     host_boundaries: int | None = None
+    # Its last recorded run ended elsewhere (inside an op: a SparseCore kernel, a collective)
+    # with no host boundary before: a chain can go on past it.
+    quiet: bool = False
 
 
 class Segments:
     """The current segment, what followed what, and the recorded-or-eager choice per segment."""
 
     MIN_SETTLED_RUNS = 16  # recorded runs with a settled graph before a segment's choice starts
+    MAX_CHAIN = 8  # segments run dormant together, from a host boundary to the next
     MAX_KNOWN = 1000  # segments remembered (a loop whose segments never recur would grow without end)
 
     def __init__(self, max_ops: int) -> None:
@@ -70,13 +86,16 @@ class Segments:
         self.log: list[Any] = []  # the ops of the current segment, while it is recorded
         self.eager: _Segment | None = None  # the segment running eagerly now
         self.pos = 0  # its next op
-        self.dormant: _Segment | None = None  # the segment running eagerly with the mode away
+        self.dormant: _Segment | None = None  # the segment running eagerly with the mode away (a chain's last)
+        self._dormant_before: tuple[_Segment, ...] = ()  # the chain's segments before it
         self.boundaries = 0  # host boundaries since the current segment began
         self.known: dict[tuple, _Segment] = {}
         self.followed_by: dict[tuple, tuple] = {}
         self._last: tuple | None = None
         self._start: float | None = None  # when the current segment began; None: not to be timed
         self._timed: tuple[_Segment, int] | None = None  # the (segment, variant) the current run times
+        self.chains: dict[tuple[_Segment, ...], TimedChoice] = {}  # a chain's dormant-or-as-planned choice
+        self._chain_timed: tuple[tuple[_Segment, ...], int, float] | None = None  # (chain, variant, start)
 
     # ---- recorded segments ----
 
@@ -106,6 +125,7 @@ class Segments:
         segment = self._ended(ops, RECORDED, settled)
         if segment is not None:
             segment.host_boundaries = boundaries if at_host_boundary else None
+            segment.quiet = not at_host_boundary and boundaries == 0
 
     # ---- dormant segments ----
 
@@ -113,34 +133,73 @@ class Segments:
         """A host boundary comes (before it materializes anything)."""
         self.boundaries += 1
 
-    def after_host_boundary(self, may_sleep: bool) -> tuple[bool, _Segment | None]:
-        """A host boundary has materialized what was pending: it ends the dormant or
-        eager segment whose recorded runs ended at this boundary (the ops an eager
-        segment still expects are the ones autograd issues only on pending tensors,
-        see advance_to). Returns whether the segment to come (or still running) is
-        dormant - chosen eager and not timed, it ends at a host boundary, and it
-        has not begun (``may_sleep``: the mode can leave the thread) - and the
-        segment that ended eagerly here, if any."""
-        ended = None
+    def after_host_boundary(self, may_sleep: bool) -> tuple[bool, list[tuple[_Segment, bool]]]:
+        """A host boundary has materialized what was pending: it ends the dormant
+        chain or eager segment whose recorded runs ended at this boundary (the ops
+        an eager segment still expects are the ones autograd issues only on pending
+        tensors, see advance_to). Returns whether the segments to come (or still
+        running) are dormant - a chain (see the module docstring) that has not
+        begun, ``may_sleep``: the mode can leave the thread - and the segments that
+        ended eagerly here, each with whether it ran dormant."""
+        ended: list[tuple[_Segment, bool]] = []
         for running in (self.dormant, self.eager if self.pos > 0 else None):
             if running is None or running.host_boundaries is None:
                 continue
             if self.boundaries < running.host_boundaries:
-                return running is self.dormant, None
-            self.dormant = self.eager = None
-            self._ended(running.ops, EAGER, False)
-            ended = running
-        upcoming = self.eager
-        if (may_sleep and upcoming is not None and self.pos == 0 and upcoming.host_boundaries is not None
-                and self._timed is None and not self.log):
-            self.eager, self.dormant = None, upcoming
-            return True, ended
+                return running is self.dormant, ended
+            dormant = running is self.dormant
+            chain = (*self._dormant_before, running) if dormant else (running,)
+            self.dormant, self._dormant_before, self.eager = None, (), None
+            for j, segment in enumerate(chain):
+                if j:  # planned by the one before (eager, untimed), as it ran
+                    self.eager = self._timed = None
+                self._ended(segment.ops, EAGER, False)
+                ended.append((segment, dormant))
+        if may_sleep and (self.eager is None or self.pos == 0) and self._timed is None and not self.log:
+            chain = self._chain_ahead()
+            if chain and self._runs_dormant(chain):
+                self.eager = None
+                self.dormant, self._dormant_before = chain[-1], chain[:-1]
+                return True, ended
         return False, ended
 
+    def _chain_ahead(self) -> tuple[_Segment, ...]:
+        """The segments predicted from here to the next host boundary, when they can run
+        dormant (see the module docstring; the first planned already, untimed); else ()."""
+        chain: list[_Segment] = []
+        segment = self.known.get(self.followed_by.get(self._last))
+        while segment is not None and segment not in chain and len(chain) < self.MAX_CHAIN:
+            choice = segment.choice  # the first's next run is planned already
+            if choice is None or (chain and choice.peek()[1]):
+                return ()  # its next run is to be timed (as every run while it is still choosing)
+            chain.append(segment)
+            if segment.host_boundaries is not None:
+                return tuple(chain)
+            if not segment.quiet:
+                return ()
+            segment = self.known.get(self.followed_by.get(segment.ops))
+        return ()
+
+    def _runs_dormant(self, chain: tuple[_Segment, ...]) -> bool:
+        """A lone segment runs dormant when it is planned eager; a longer chain, at its
+        first boundary (nothing ended since this one: a second synchronize in a row),
+        when its own choice says so."""
+        if len(chain) == 1:
+            return chain[0] is self.eager
+        if self.boundaries > 0:
+            return False
+        choice = self.chains.get(chain)
+        if choice is None:
+            choice = self.chains[chain] = TimedChoice(f"DeferAndFuse chain of {len(chain)} segments",
+                                                      ("as planned", "dormant"))
+        variant, timed = choice.next()
+        self._chain_timed = (chain, variant, time.perf_counter()) if timed else None
+        return variant == DORMANT
+
     def abandon_dormant(self) -> None:
-        """DeferAndFuse was left during a dormant segment: it ends untimed, unplanned."""
-        self.dormant = None
-        self._start = self._timed = None
+        """DeferAndFuse was left during a dormant chain: it ends untimed, unplanned."""
+        self.dormant, self._dormant_before = None, ()
+        self._start = self._timed = self._chain_timed = None
         self.boundaries = 0
 
     # ---- eager segments ----
@@ -177,7 +236,7 @@ class Segments:
         rest of the segment is recorded, untimed."""
         self.log = list(self.eager.ops[:self.pos])
         self.eager = None
-        self._start = self._timed = None
+        self._start = self._timed = self._chain_timed = None
 
     # ----
 
@@ -189,7 +248,16 @@ class Segments:
             if len(self.known) >= self.MAX_KNOWN:
                 self.known.clear()
                 self.followed_by.clear()
+                self.chains.clear()
             segment = self.known[ops] = _Segment(ops)
+        chain_timed = self._chain_timed
+        if chain_timed is not None:
+            chain, chain_variant, start = chain_timed
+            if segment is chain[-1]:
+                self._chain_timed = None
+                self.chains[chain].report(chain_variant, now - start)
+            elif segment not in chain:
+                self._chain_timed = None  # the run departed from the chain: its time tells nothing
         timed = self._timed
         if timed is not None and self._start is not None and timed[0] is segment and timed[1] == variant:
             segment.choice.report(variant, now - self._start)

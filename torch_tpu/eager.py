@@ -28,7 +28,8 @@ import enum
 import os
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 
 class EagerMode(enum.Enum):
@@ -119,6 +120,13 @@ def materialize_deferred(reason: str) -> None:
     defer = sys.modules.get("torch_tpu.defer")
     if defer is not None:
         defer.materialize(reason)
+
+
+def run_unrecorded(fn: Callable[..., Any], args: Sequence[Any], reason: str) -> Any:
+    """``fn(*args)``, as a sync point of DeferAndFuse if it was ever entered
+    (torch_tpu.defer.run_unrecorded); Strict imports nothing for it."""
+    defer = sys.modules.get("torch_tpu.defer")
+    return fn(*args) if defer is None else defer.run_unrecorded(fn, args, reason)
 
 
 def is_synchronous() -> bool:

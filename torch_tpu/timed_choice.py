@@ -60,6 +60,14 @@ class TimedChoice:
                 return self.chosen, True
         return self.chosen, False
 
+    def peek(self) -> tuple[int, bool]:
+        """What ``next()`` will return, without counting a call."""
+        if self.chosen is None:
+            return self._calls % 2, True
+        if self._until_check in (1, 2):  # next() counts it down first: a check's two timed runs
+            return (1 - self.chosen if self._until_check == 2 else self.chosen), True
+        return self.chosen, False
+
     def report(self, variant: int, seconds: float) -> None:
         """A timed run of ``variant`` took ``seconds``."""
         self.times[variant].append(seconds)
