@@ -437,6 +437,7 @@ class Trainer:
             self.dense_opt.zero_grad(set_to_none=True)
             loss.backward()
             self.dense_opt.step()
+            torch.tpu.mark_step()  # a step's end (the pipeline marks its own)
         return distributed.global_sum(loss.detach()).item()
 
     def run(self) -> dict[str, Any]:

@@ -253,6 +253,7 @@ class TrainPipeline:
         self._done = upcoming is None
         for executor in self._executors:
             executor.raise_deferred_error()
+        torch.tpu.mark_step()  # a step's end: under DeferAndFuse, where its segments can run dormant
         return output
 
     def synchronize(self) -> None:

@@ -136,6 +136,11 @@ def _synchronize(y):
     assert not is_deferred(y)
 
 
+def _mark_step(y):
+    torch.tpu.mark_step()
+    assert not is_deferred(y)
+
+
 def _submit(y):
     return torch.tpu.submit(torch.tpu.Stream(), lambda: y.cpu()).result(timeout=60)
 
@@ -150,6 +155,7 @@ SYNC_POINTS = {
     "save and load": (_save, "torch.save", _load),
     "data_ptr": (_data_ptr, "Tensor.data_ptr", None),
     "synchronize": (_synchronize, "torch.tpu.synchronize", None),
+    "mark_step": (_mark_step, "torch.tpu.mark_step", None),
     "submit": (_submit, "work submitted to a tpu stream", None),
 }
 
@@ -890,10 +896,10 @@ def test_a_dormant_segment_ends_at_the_synchronize_its_recorded_runs_ended_at(mo
         torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
-def masked_steps(mode: str, n: int = 12, probe=None) -> list[torch.Tensor]:
+def masked_steps(mode: str, n: int = 12, probe=None, boundary=torch.tpu.synchronize) -> list[torch.Tensor]:
     """Steps cut in two inside an op - a boolean mask's data-dependent shape, as a
-    SparseCore kernel or a collective cuts a DLRM step - and ending in
-    torch.tpu.synchronize(). ``probe(i)`` runs after the backward."""
+    SparseCore kernel or a collective cuts a DLRM step - and ending in ``boundary``
+    (torch.tpu.synchronize or mark_step). ``probe(i)`` runs after the backward."""
     torch.manual_seed(0)
     w = torch.randn(8, 8, device="tpu", requires_grad=True)
     x = torch.randn(4, 8, device="tpu")
@@ -909,7 +915,7 @@ def masked_steps(mode: str, n: int = 12, probe=None) -> list[torch.Tensor]:
                 w -= 0.1 * w.grad
                 w.grad = None
             losses.append(loss.detach())
-            torch.tpu.synchronize()
+            boundary()
     return [t.cpu() for t in losses] + [w.detach().cpu()]
 
 
@@ -917,15 +923,17 @@ def mode_on() -> bool:
     return any(isinstance(m, defer.DeferAndFuse) for m in mode_stack())
 
 
-def test_a_step_cut_inside_an_op_runs_dormant_as_a_chain(monkeypatch):
+@pytest.mark.parametrize("boundary", [torch.tpu.synchronize, torch.tpu.mark_step], ids=["synchronize", "mark_step"])
+def test_a_step_cut_inside_an_op_runs_dormant_as_a_chain(boundary, monkeypatch):
     """Neither of the step's segments can run dormant alone (one begins, the other
-    ends, inside the mask's op); together, from synchronize to synchronize, they do."""
+    ends, inside the mask's op); together, from boundary to boundary, they do."""
     monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
     monkeypatch.setattr(defer_segments.TimedChoice, "next", lambda self: (defer_segments.EAGER, False))
     monkeypatch.setattr(defer_segments.TimedChoice, "peek", lambda self: (defer_segments.EAGER, False))
-    strict = masked_steps("strict")
+    strict = masked_steps("strict", boundary=boundary)
     seen = []
-    deferred = masked_steps("defer_and_fuse", probe=lambda i: seen.append((mode_on(), defer.stats().ops_recorded)))
+    deferred = masked_steps("defer_and_fuse", boundary=boundary,
+                            probe=lambda i: seen.append((mode_on(), defer.stats().ops_recorded)))
     chains = defer.engine().segments.chains
     assert [len(chain) for chain in chains] == [2], chains  # the mask's op cuts the step in two
     # Recorded until both segments settled and their order learnt, then away for every later step.
@@ -975,3 +983,32 @@ def test_an_eager_segment_ends_at_its_synchronize_when_autograds_copies_do_not_c
     assert any(s.ops[-1] is torch.ops.aten.copy_.default for s in tail.values()), "no autograd copy at a segment's end"
     # Once eager, every step is one eager segment and nothing more is recorded.
     assert counts[-1][0] == counts[-4][0] and counts[-1][1] == counts[-4][1] + 3, counts
+
+
+def test_an_eager_segment_ends_at_a_stream_submission_when_autograds_copies_do_not_come(monkeypatch):
+    """The same, for a segment ended by a call outside ops - work submitted to a tpu
+    stream, as the SparseCore pipeline's prefetch does after the backward: with
+    nothing pending, the submission ends the eager segment whose recorded runs it
+    ended. Before, the next op departed from it: never ending eagerly, it was
+    recorded again every step and its choice never came."""
+    monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
+    monkeypatch.setattr(defer_segments.TimedChoice, "next", lambda self: (defer_segments.EAGER, True))  # mode stays
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4)).to("tpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 16, device="tpu")
+    stream = torch.tpu.Stream()
+    counts = []
+    with torch_tpu.eager_mode("defer_and_fuse"):
+        for _ in range(10):
+            model.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            torch.tpu.submit(stream, lambda: None).result(timeout=60)
+            opt.step()
+            torch.tpu.synchronize()
+            counts.append((defer.stats().ops_recorded, defer.stats().eager_segments))
+    ended_by_submission = [s for s in defer.engine().segments.known.values()
+                           if s.end_reason == "work submitted to a tpu stream"]
+    assert any(s.ops[-1] is torch.ops.aten.copy_.default for s in ended_by_submission), ended_by_submission
+    # Once eager, every step is two eager segments and nothing more is recorded.
+    assert counts[-1][0] == counts[-4][0] and counts[-1][1] == counts[-4][1] + 6, counts

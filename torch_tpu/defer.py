@@ -11,7 +11,7 @@ something needs real memory:
   ops (they draw from the tpu generator, as in Strict), in-place ops on views;
 * any op outside aten/prims but the graph ops (torch_tpu.graph_ops: the
   fused DLRM interaction) - collectives, the SparseCore kernels -, work
-  submitted to a tpu stream, ``torch.tpu.synchronize()``;
+  submitted to a tpu stream, ``torch.tpu.synchronize()``, ``torch.tpu.mark_step()``;
 * a graph of ``torch.compile(backend="tpu")``: it runs with the mode off, on
   real memory (``run_unrecorded``); Dynamo compiles with the mode off too;
 * the materialization hooks (torch_tpu.materialization_hooks): ``torch.save``,
@@ -72,7 +72,8 @@ MAX_OPS = 4096
 # Host boundaries: materializations the host asks for outside any op, where a
 # dormant segment can end (defer_segments).
 SYNCHRONIZE = "torch.tpu.synchronize"
-HOST_BOUNDARIES = frozenset([SYNCHRONIZE])
+MARK_STEP = "torch.tpu.mark_step"
+HOST_BOUNDARIES = frozenset([SYNCHRONIZE, MARK_STEP])
 MAX_META_CACHE = 100_000
 # Allocation only: run at once (nothing to fuse), like views of real memory.
 ALLOCATIONS = frozenset([aten.empty.memory_format, aten.empty_strided.default])
@@ -670,6 +671,8 @@ class _Engine:
         with self.lock:
             g = self.graph
             if g.empty():
+                if reason not in HOST_BOUNDARIES and self.segments.ends_eagerly_at(reason):
+                    self.stats.eager_segments += 1
                 return
             self.graph = _Graph()
             self.repeats.flushed()
@@ -678,7 +681,7 @@ class _Engine:
                        or (b.kind == "base" and self._alive(b, g, holders))]
             at_host_boundary = reason in HOST_BOUNDARIES
             if not targets and not g.in_place:
-                self.segments.materialized(False, at_host_boundary)
+                self.segments.materialized(False, reason, at_host_boundary)
                 return
             outputs = [b.ref for b in targets]
             self.stats.graphs += 1
@@ -694,7 +697,7 @@ class _Engine:
                         _copy_unversioned(b.tensor, value)
                     del value
                 del values
-            self.segments.materialized(settled, at_host_boundary, new_graph=first_run)
+            self.segments.materialized(settled, reason, at_host_boundary, new_graph=first_run)
 
     def host_boundary(self, reason: str, may_sleep: bool | None) -> bool:
         """A host boundary on the recording thread: counted, the pending graph run,

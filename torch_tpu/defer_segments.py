@@ -59,6 +59,9 @@ AS_PLANNED, DORMANT = 0, 1  # a chain's variants
 # way round): metadata only, so they run as they come in an eager segment and
 # are not part of a segment's ops.
 UNMATCHED = frozenset([torch.ops.aten.detach.default, torch.ops.aten.alias.default])
+# The copies autograd makes of a gradient whose recorded strides (from a meta kernel)
+# differ from its parameter's: a recorded segment has them, the same one run eagerly may not.
+AUTOGRAD_COPIES = frozenset([torch.ops.aten.new_empty_strided.default, torch.ops.aten.copy_.default])
 LOOKAHEAD = 8  # recorded ops an eager segment may skip at once (see Segments.advance_to)
 
 
@@ -72,6 +75,7 @@ class _Segment:
     # Its last recorded run ended elsewhere (inside an op: a SparseCore kernel, a collective)
     # with no host boundary before: a chain can go on past it.
     quiet: bool = False
+    end_reason: str | None = None  # what materialized its last recorded run
 
 
 class Segments:
@@ -109,10 +113,11 @@ class Segments:
             log.clear()
             self._start = self._last = None
 
-    def materialized(self, settled: bool, at_host_boundary: bool = False, new_graph: bool = False) -> None:
+    def materialized(self, settled: bool, reason: str, at_host_boundary: bool = False,
+                     new_graph: bool = False) -> None:
         """A recorded segment ends: its graph ran; ``settled``: as it will from now on;
-        ``at_host_boundary``: at one (counted already by ``count_host_boundary``);
-        ``new_graph``: the graph ran for the first time.
+        ``reason``: what materialized it; ``at_host_boundary``: at one (counted already by
+        ``count_host_boundary``); ``new_graph``: the graph ran for the first time.
 
         A segment seen before whose graph is new again - its ops the same, a scalar
         argument not (a plain AdamW's bias corrections, a scheduled lr) - replays op
@@ -126,6 +131,7 @@ class Segments:
         if segment is not None:
             segment.host_boundaries = boundaries if at_host_boundary else None
             segment.quiet = not at_host_boundary and boundaries == 0
+            segment.end_reason = reason
 
     # ---- dormant segments ----
 
@@ -229,6 +235,21 @@ class Segments:
         self._ended(segment.ops, EAGER, False)
         if segment.host_boundaries is not None:
             self.boundaries = -1  # the boundary that ended its recorded runs is still to come
+        return True
+
+    def ends_eagerly_at(self, reason: str) -> bool:
+        """A materialization with nothing pending, not at a host boundary (see
+        after_host_boundary for those): whether it ends the eager segment running -
+        one whose recorded runs ended at the same kind, with only autograd's copies
+        of pending gradients left of its ops. A segment ended inside an op reaches
+        that op past the copies (advance_to); one ended by a call outside ops (work
+        submitted to a stream, a materialization hook) would otherwise never end."""
+        segment = self.eager
+        if (segment is None or self.pos == 0 or segment.end_reason != reason
+                or not AUTOGRAD_COPIES.issuperset(segment.ops[self.pos:])):
+            return False
+        self.eager = None
+        self._ended(segment.ops, EAGER, False)
         return True
 
     def diverged(self) -> None:

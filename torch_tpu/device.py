@@ -47,6 +47,14 @@ def synchronize(device: _device_t = None) -> None:
     torch.accelerator.synchronize(_index(device))
 
 
+def mark_step() -> None:
+    """The end of a training step, as PyTorch/XLA's ``xm.mark_step()``: under DeferAndFuse
+    the pending graph runs here, a host boundary from which a step's segments can run
+    dormant (torch_tpu.defer_segments); in Strict and Debug, nothing. Unlike
+    ``synchronize`` it waits for no stream, so queued work keeps overlapping."""
+    eager.materialize_deferred("torch.tpu.mark_step")
+
+
 def is_initialized() -> bool:
     return _backend.topology is not None
 

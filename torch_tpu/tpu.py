@@ -16,6 +16,7 @@ from torch_tpu.device import (
     is_available,
     is_bf16_supported,
     is_initialized,
+    mark_step,
     set_device,
     synchronize,
 )
@@ -92,4 +93,5 @@ __all__ = [
     "stream",
     "submit",
     "synchronize",
+    "mark_step",
 ]

@@ -271,3 +271,42 @@ def test_a_pipeline_dropped_without_close_stops_its_reader():
     gc.collect()
     thread.join(5)
     assert not thread.is_alive()
+
+
+def test_pipeline_steps_under_defer_and_fuse_run_dormant_with_the_plain_loops_numbers(monkeypatch):
+    """Each progress() ends in torch.tpu.mark_step(): under DeferAndFuse a host boundary,
+    so the step - cut into segments inside the SparseCore kernels - can run dormant as a
+    chain, from one step's end to the next (forced here: every segment and chain chooses
+    to). The numbers stay the plain Strict loop's, bit for bit."""
+    import torch_tpu
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from torch_tpu import defer, defer_segments, deferred_graph
+
+    monkeypatch.setenv("TORCH_TPU_DEFER_COMPILE", "off")
+    monkeypatch.setattr(defer.engine(), "graphs", deferred_graph.GraphCache())
+    monkeypatch.setattr(defer.engine(), "segments", defer_segments.Segments(defer.engine().segments.max_ops))
+    monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
+    monkeypatch.setattr(defer_segments.TimedChoice, "next", lambda self: (defer_segments.EAGER, False))
+    monkeypatch.setattr(defer_segments.TimedChoice, "peek", lambda self: (defer_segments.EAGER, False))
+    batches, sizes = loader()
+    batches = batches * 2
+    optimizer = sparsecore.optim.RowWiseAdagrad(lr=0.1)
+    ref, ref_opt = build(sizes, optimizer)
+    ours, ours_opt = build(sizes, optimizer)
+    expected = plain_loop(ref, ref_opt, batches, schedulers(ref))
+    pipeline, scheduler = sparsecore.TrainPipeline(ours, ours_opt, "tpu"), schedulers(ours)
+    it = iter(batches)
+    losses, away = [], []
+    with torch_tpu.eager_mode("defer_and_fuse"):
+        for _ in batches:
+            loss, _, _ = pipeline.progress(it)
+            away.append(not any(isinstance(m, defer.DeferAndFuse) for m in _get_current_dispatch_mode_stack()))
+            scheduler.step()
+            losses.append(loss.item())
+        pipeline.synchronize()
+    (chain,) = defer.engine().segments.chains  # the step's segments, cut at the SparseCore kernels
+    assert len(chain) >= 2, chain
+    assert away[-8:] == [True] * 8, away
+    assert losses == expected
+    assert_same_state(ref, ours)
