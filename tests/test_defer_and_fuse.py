@@ -738,11 +738,14 @@ def test_an_eager_segment_that_departs_from_its_ops_is_recorded_from_there(monke
 
 
 def sgd_steps(mode: str, n: int = 10, extra_at: int = -1, probe=None, after=None,
-              sync: str = "synchronize", lr=lambda i: 0.1) -> list[torch.Tensor]:
+              sync: str = "synchronize", lr=lambda i: 0.1, masked: bool = False) -> list[torch.Tensor]:
     """SGD steps of a small model, each ending in a sync point (one segment a step): the
-    loss copied to the CPU (``sync="cpu"``) or torch.tpu.synchronize(). ``extra_at``: a
-    step with ops the others do not have, from its third op; ``probe(i)`` runs mid-step,
-    after the forward, ``after(i)`` after the sync point; ``lr(i)``: step i's learning rate."""
+    loss copied to the CPU (``sync="cpu"``), torch.tpu.synchronize() or (``"mark_step"``)
+    torch.tpu.mark_step(). ``extra_at``: a step with ops the others do not have, from its
+    third op; ``probe(i)`` runs mid-step, after the forward, ``after(i)`` after the sync
+    point; ``lr(i)``: step i's learning rate; ``masked``: the loss also sums a boolean
+    mask's elements, whose data-dependent shape cuts the step in two inside an op (as a
+    SparseCore kernel or a collective cuts a DLRM step)."""
     torch.manual_seed(0)
     w = torch.randn(8, 8, device="tpu", requires_grad=True)
     x = torch.randn(4, 8, device="tpu")
@@ -755,6 +758,8 @@ def sgd_steps(mode: str, n: int = 10, extra_at: int = -1, probe=None, after=None
             if probe is not None:
                 probe(i)
             loss = h.square().mean()
+            if masked:
+                loss = loss + 0.1 * h[h > 0].sum()
             loss.backward()
             with torch.no_grad():
                 w -= lr(i) * w.grad
@@ -763,7 +768,7 @@ def sgd_steps(mode: str, n: int = 10, extra_at: int = -1, probe=None, after=None
                 losses.append(loss.detach().cpu())
             else:
                 losses.append(loss.detach())
-                torch.tpu.synchronize()
+                (torch.tpu.mark_step if sync == "mark_step" else torch.tpu.synchronize)()
             if after is not None:
                 after(i)
     return [t.cpu() for t in losses] + [w.detach().cpu()]
@@ -896,44 +901,21 @@ def test_a_dormant_segment_ends_at_the_synchronize_its_recorded_runs_ended_at(mo
         torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
-def masked_steps(mode: str, n: int = 12, probe=None, boundary=torch.tpu.synchronize) -> list[torch.Tensor]:
-    """Steps cut in two inside an op - a boolean mask's data-dependent shape, as a
-    SparseCore kernel or a collective cuts a DLRM step - and ending in ``boundary``
-    (torch.tpu.synchronize or mark_step). ``probe(i)`` runs after the backward."""
-    torch.manual_seed(0)
-    w = torch.randn(8, 8, device="tpu", requires_grad=True)
-    x = torch.randn(4, 8, device="tpu")
-    losses = []
-    with torch_tpu.eager_mode(mode):
-        for i in range(n):
-            h = torch.tanh(x @ w)
-            loss = h.square().mean() + 0.1 * h[h > 0].sum()
-            loss.backward()
-            if probe is not None:
-                probe(i)
-            with torch.no_grad():
-                w -= 0.1 * w.grad
-                w.grad = None
-            losses.append(loss.detach())
-            boundary()
-    return [t.cpu() for t in losses] + [w.detach().cpu()]
-
-
 def mode_on() -> bool:
     return any(isinstance(m, defer.DeferAndFuse) for m in mode_stack())
 
 
-@pytest.mark.parametrize("boundary", [torch.tpu.synchronize, torch.tpu.mark_step], ids=["synchronize", "mark_step"])
-def test_a_step_cut_inside_an_op_runs_dormant_as_a_chain(boundary, monkeypatch):
+@pytest.mark.parametrize("sync", ["synchronize", "mark_step"])
+def test_a_step_cut_inside_an_op_runs_dormant_as_a_chain(sync, monkeypatch):
     """Neither of the step's segments can run dormant alone (one begins, the other
     ends, inside the mask's op); together, from boundary to boundary, they do."""
     monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
     monkeypatch.setattr(defer_segments.TimedChoice, "next", lambda self: (defer_segments.EAGER, False))
     monkeypatch.setattr(defer_segments.TimedChoice, "peek", lambda self: (defer_segments.EAGER, False))
-    strict = masked_steps("strict", boundary=boundary)
+    strict = sgd_steps("strict", n=12, sync=sync, masked=True)
     seen = []
-    deferred = masked_steps("defer_and_fuse", boundary=boundary,
-                            probe=lambda i: seen.append((mode_on(), defer.stats().ops_recorded)))
+    deferred = sgd_steps("defer_and_fuse", n=12, sync=sync, masked=True,
+                         probe=lambda i: seen.append((mode_on(), defer.stats().ops_recorded)))
     chains = defer.engine().segments.chains
     assert [len(chain) for chain in chains] == [2], chains  # the mask's op cuts the step in two
     # Recorded until both segments settled and their order learnt, then away for every later step.
@@ -952,9 +934,9 @@ def test_a_chain_runs_dormant_when_that_measures_faster(monkeypatch):
     monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
     monkeypatch.setattr(defer._Engine, "run_eagerly", slowed(defer._Engine.run_eagerly, 0.0005))
     monkeypatch.setattr(defer._Engine, "_record", slowed(defer._Engine._record, 0.0005))
-    strict = masked_steps("strict", n=40)
+    strict = sgd_steps("strict", n=40, masked=True)
     seen = []
-    deferred = masked_steps("defer_and_fuse", n=40, probe=lambda i: seen.append(mode_on()))
+    deferred = sgd_steps("defer_and_fuse", n=40, masked=True, probe=lambda i: seen.append(mode_on()))
     (choice,) = defer.engine().segments.chains.values()
     assert choice.chosen == defer_segments.DORMANT, choice.times
     assert not any(seen[-5:]), seen
