@@ -740,8 +740,8 @@ def test_an_eager_segment_that_departs_from_its_ops_is_recorded_from_there(monke
 def sgd_steps(mode: str, n: int = 10, extra_at: int = -1, probe=None, after=None,
               sync: str = "synchronize", lr=lambda i: 0.1, masked: bool = False) -> list[torch.Tensor]:
     """SGD steps of a small model, each ending in a sync point (one segment a step): the
-    loss copied to the CPU (``sync="cpu"``), torch.tpu.synchronize() or (``"mark_step"``)
-    torch.tpu.mark_step(). ``extra_at``: a step with ops the others do not have, from its
+    loss copied to the CPU (``sync="cpu"``), torch.tpu.synchronize(), (``"mark_step"``)
+    torch.tpu.mark_step() or ``sync()`` when it is a function. ``extra_at``: a step with ops the others do not have, from its
     third op; ``probe(i)`` runs mid-step, after the forward, ``after(i)`` after the sync
     point; ``lr(i)``: step i's learning rate; ``masked``: the loss also sums a boolean
     mask's elements, whose data-dependent shape cuts the step in two inside an op (as a
@@ -768,7 +768,10 @@ def sgd_steps(mode: str, n: int = 10, extra_at: int = -1, probe=None, after=None
                 losses.append(loss.detach().cpu())
             else:
                 losses.append(loss.detach())
-                (torch.tpu.mark_step if sync == "mark_step" else torch.tpu.synchronize)()
+                if callable(sync):
+                    sync()
+                else:
+                    (torch.tpu.mark_step if sync == "mark_step" else torch.tpu.synchronize)()
             if after is not None:
                 after(i)
     return [t.cpu() for t in losses] + [w.detach().cpu()]
@@ -928,6 +931,62 @@ def test_a_step_cut_inside_an_op_runs_dormant_as_a_chain(sync, monkeypatch):
     assert not mode_on()
 
 
+def test_a_synchronize_after_each_mark_step_neither_ends_a_chain_nor_keeps_it_from_forming(monkeypatch):
+    """A caller timing the pipeline's steps synchronizes after each progress(), which
+    ends in mark_step: host boundaries are counted by kind, so the chain ending at
+    mark_step forms (its first segment saw a synchronize, not a mark_step) and the
+    synchronize does not end it before its ops have run."""
+    monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
+    monkeypatch.setattr(defer_segments.TimedChoice, "next", lambda self: (defer_segments.EAGER, False))
+    monkeypatch.setattr(defer_segments.TimedChoice, "peek", lambda self: (defer_segments.EAGER, False))
+
+    def mark_then_synchronize():
+        torch.tpu.mark_step()
+        torch.tpu.synchronize()
+
+    strict = sgd_steps("strict", n=16, sync=mark_then_synchronize, masked=True)
+    seen = []
+    deferred = sgd_steps("defer_and_fuse", n=16, sync=mark_then_synchronize, masked=True,
+                         probe=lambda i: seen.append((mode_on(), defer.stats().eager_segments)))
+    assert not any(on for on, _ in seen[-6:]), seen
+    (chain,) = defer.engine().segments.chains
+    # Each step ends its chain once: no segment counted that never ran.
+    assert seen[-1][1] - seen[-2][1] == len(chain), seen
+    for a, b in zip(strict, deferred):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_a_chains_timing_is_not_cut_short_by_another_kind_of_boundary(monkeypatch):
+    """A synchronize right after the mark_step that began a dormant chain (a round's
+    end in a benchmark loop) used to end the chain with none of its ops run, and
+    report that empty run's microseconds as the dormant variant's time."""
+    class SegmentsEager(defer_segments.TimedChoice):  # segments always eager; chains choose for real
+        def next(self):
+            return (defer_segments.EAGER, False) if "chain" not in self.name else super().next()
+
+        def peek(self):
+            return (defer_segments.EAGER, False) if "chain" not in self.name else super().peek()
+
+    monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
+    monkeypatch.setattr(defer_segments, "TimedChoice", SegmentsEager)
+    steps = []
+
+    def boundary():
+        torch.tpu.mark_step()
+        steps.append(None)
+        if len(steps) % 3 == 0:
+            torch.tpu.synchronize()  # nothing pending, nothing run since the mark_step
+
+    def slow_when_dormant(i):
+        if not mode_on():
+            time.sleep(0.005)  # dormant made the slower variant
+
+    sgd_steps("defer_and_fuse", n=40, sync=boundary, masked=True, probe=slow_when_dormant)
+    (choice,) = defer.engine().segments.chains.values()
+    assert min(choice.times[defer_segments.DORMANT]) > 0.005, choice.times
+    assert choice.chosen == defer_segments.AS_PLANNED, choice.times
+
+
 def test_a_chain_runs_dormant_when_that_measures_faster(monkeypatch):
     """The chain's own choice times it from synchronize to synchronize, dormant
     against as its segments chose - here with the mode made slow, so dormant wins."""
@@ -994,3 +1053,22 @@ def test_an_eager_segment_ends_at_a_stream_submission_when_autograds_copies_do_n
     assert any(s.ops[-1] is torch.ops.aten.copy_.default for s in ended_by_submission), ended_by_submission
     # Once eager, every step is two eager segments and nothing more is recorded.
     assert counts[-1][0] == counts[-4][0] and counts[-1][1] == counts[-4][1] + 6, counts
+
+
+def test_leaving_the_mode_mid_segment_leaves_nothing_running_or_timed(monkeypatch):
+    """A segment running eagerly with the mode on when DeferAndFuse is left ends
+    there, untimed: a timing across the gap would count the time spent outside."""
+    monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
+    monkeypatch.setattr(defer_segments.TimedChoice, "next", lambda self: (defer_segments.EAGER, True))  # mode stays
+    segments = defer.engine().segments
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, device="tpu", requires_grad=True)
+    x = torch.randn(4, 8, device="tpu")
+    with torch_tpu.eager_mode("defer_and_fuse"):
+        for _ in range(6):
+            torch.tanh(x @ w).square().mean().backward()
+            w.grad = None
+            torch.tpu.synchronize()
+        torch.tanh(x @ w)
+        assert segments.eager is not None and segments.pos > 0 and segments._timed is not None
+    assert segments.eager is None and segments._timed is None and segments._start is None

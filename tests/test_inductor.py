@@ -319,6 +319,24 @@ def test_a_clear_choice_is_not_checked_again():
     assert calls == {**before, "compiled": before["compiled"] + 10}
 
 
+def test_a_check_whose_last_run_never_reports_is_made_again_later():
+    """A caller may drop a timed run (a DeferAndFuse segment or chain whose run departs
+    from its ops): the check that run would have ended is made again later, not never."""
+    from torch_tpu.timed_choice import TimedChoice
+
+    choice = TimedChoice("test", ("a", "b"))
+    choice.RECHECK_EVERY = 4
+    while choice.chosen is None:
+        variant, timed = choice.next()
+        choice.report(variant, 1.0 if variant == 0 else 1.5)  # within CLOSE: to be checked again
+    check = [choice.next() for _ in range(3)]
+    assert check == [(0, False), (0, False), (1, True)], check
+    choice.report(1, 1.5)  # the check's first run reports
+    assert choice.next() == (0, True)  # its last run never does
+    later = [choice.next() for _ in range(8)]
+    assert (1, True) in later, later
+
+
 def test_the_tpu_backend_is_found_by_name():
     from torch._dynamo import list_backends
 

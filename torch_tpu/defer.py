@@ -289,7 +289,8 @@ class DeferAndFuse(TorchDispatchMode):
             # segment about as much as the dispatch mode itself).
             if eager.ops[segments.pos] is func:
                 with engine.lock:
-                    return engine.run_eagerly(func, args, kwargs or {})
+                    if segments.eager is eager:  # not ended meanwhile by another thread
+                        return engine.run_eagerly(func, args, kwargs or {})
             if func in UNMATCHED:
                 return func(*args, **(kwargs or {}))
         return engine.dispatch(func, args, kwargs or {})
@@ -706,7 +707,7 @@ class _Engine:
         where the mode can leave or come back, nothing changes)."""
         with self.lock:
             segments = self.segments
-            segments.count_host_boundary()
+            segments.count_host_boundary(reason)
             self.materialize(reason)
             if may_sleep is None:
                 return segments.dormant is not None
@@ -840,8 +841,9 @@ def run_unrecorded(fn: Any, args: Any, reason: str) -> Any:
     """``fn(*args)`` - a compiled graph, whose kernels read and write memory without
     aten ops - as a sync point when DeferAndFuse is on this thread's dispatch stack
     (autograd's backward threads included): the pending graph is materialized, so the
-    arguments are real, and ``fn`` runs with the dispatch modes off, so its own ops
-    run at once on real memory and its outputs are real tensors. Otherwise, or while
+    arguments are real, and ``fn`` runs with the dispatch modes off (all of them: a
+    mode entered above DeferAndFuse does not see the graph's ops either), so its own
+    ops run at once on real memory and its outputs are real tensors. Otherwise, or while
     the mode is dormant (nothing pending), just ``fn(*args)``."""
     if _engine is None or not any(isinstance(m, DeferAndFuse) for m in _dispatch_mode_stack()):
         return fn(*args)
@@ -905,8 +907,8 @@ def leave_on_this_thread() -> None:
     _local.mode = None
     if dormant:
         _local.dormant_depth = None
-        with _engine.lock:
-            _engine.segments.abandon_dormant()
     else:
         mode.__exit__(None, None, None)
+    with _engine.lock:
+        _engine.segments.interrupted()
     materialization_hooks.uninstall()

@@ -70,11 +70,12 @@ class _Segment:
     ops: tuple
     settled_runs: int = 0
     choice: TimedChoice | None = None
-    # Its last recorded run ended at the k-th host boundary since it began (None: elsewhere).
-    host_boundaries: int | None = None
-    # Its last recorded run ended elsewhere (inside an op: a SparseCore kernel, a collective)
-    # with no host boundary before: a chain can go on past it.
-    quiet: bool = False
+    # Its last recorded run ended at (kind, k): the k-th host boundary of that kind
+    # (synchronize, mark_step) since it began. None: it ended elsewhere.
+    host_boundaries: tuple[str, int] | None = None
+    # The kinds of host boundary its last recorded run saw, when it ended elsewhere (inside
+    # an op: a SparseCore kernel, a collective): a chain ending at another kind can go on past it.
+    seen: frozenset[str] = frozenset()
     end_reason: str | None = None  # what materialized its last recorded run
 
 
@@ -92,7 +93,7 @@ class Segments:
         self.pos = 0  # its next op
         self.dormant: _Segment | None = None  # the segment running eagerly with the mode away (a chain's last)
         self._dormant_before: tuple[_Segment, ...] = ()  # the chain's segments before it
-        self.boundaries = 0  # host boundaries since the current segment began
+        self.boundaries: dict[str, int] = {}  # host boundaries since the current segment began, by kind
         self.known: dict[tuple, _Segment] = {}
         self.followed_by: dict[tuple, tuple] = {}
         self._last: tuple | None = None
@@ -126,18 +127,22 @@ class Segments:
         ops = tuple(self.log)
         self.log = []
         boundaries = self.boundaries
+        reason_count = boundaries.get(reason, 0)
         settled = settled or (new_graph and ops in self.known)
         segment = self._ended(ops, RECORDED, settled)
         if segment is not None:
-            segment.host_boundaries = boundaries if at_host_boundary else None
-            segment.quiet = not at_host_boundary and boundaries == 0
+            segment.host_boundaries = (reason, reason_count) if at_host_boundary else None
+            segment.seen = frozenset() if at_host_boundary else frozenset(k for k, n in boundaries.items() if n > 0)
             segment.end_reason = reason
 
     # ---- dormant segments ----
 
-    def count_host_boundary(self) -> None:
-        """A host boundary comes (before it materializes anything)."""
-        self.boundaries += 1
+    def count_host_boundary(self, kind: str) -> None:
+        """A host boundary of this kind comes (before it materializes anything). Kinds
+        are counted apart, so a synchronize after each step's mark_step (a caller timing
+        its steps) neither ends a dormant chain that mark_step began nor keeps one from
+        forming."""
+        self.boundaries[kind] = self.boundaries.get(kind, 0) + 1
 
     def after_host_boundary(self, may_sleep: bool) -> tuple[bool, list[tuple[_Segment, bool]]]:
         """A host boundary has materialized what was pending: it ends the dormant
@@ -151,7 +156,8 @@ class Segments:
         for running in (self.dormant, self.eager if self.pos > 0 else None):
             if running is None or running.host_boundaries is None:
                 continue
-            if self.boundaries < running.host_boundaries:
+            kind, k = running.host_boundaries
+            if self.boundaries.get(kind, 0) < k:
                 return running is self.dormant, ended
             dormant = running is self.dormant
             chain = (*self._dormant_before, running) if dormant else (running,)
@@ -180,9 +186,8 @@ class Segments:
                 return ()  # its next run is to be timed (as every run while it is still choosing)
             chain.append(segment)
             if segment.host_boundaries is not None:
-                return tuple(chain)
-            if not segment.quiet:
-                return ()
+                kind = segment.host_boundaries[0]  # what ends the chain: none before may see one
+                return tuple(chain) if not any(kind in s.seen for s in chain[:-1]) else ()
             segment = self.known.get(self.followed_by.get(segment.ops))
         return ()
 
@@ -192,7 +197,7 @@ class Segments:
         when its own choice says so."""
         if len(chain) == 1:
             return chain[0] is self.eager
-        if self.boundaries > 0:
+        if any(self.boundaries.values()):
             return False
         choice = self.chains.get(chain)
         if choice is None:
@@ -202,11 +207,12 @@ class Segments:
         self._chain_timed = (chain, variant, time.perf_counter()) if timed else None
         return variant == DORMANT
 
-    def abandon_dormant(self) -> None:
-        """DeferAndFuse was left during a dormant chain: it ends untimed, unplanned."""
-        self.dormant, self._dormant_before = None, ()
-        self._start = self._timed = self._chain_timed = None
-        self.boundaries = 0
+    def interrupted(self) -> None:
+        """DeferAndFuse was left (its pending graph run): the segment or chain running
+        eagerly or dormant ends untimed, and nothing is planned or timed across the gap."""
+        self.dormant, self._dormant_before, self.eager, self.pos = None, (), None, 0
+        self._start = self._timed = self._chain_timed = self._last = None
+        self.boundaries = {}
 
     # ---- eager segments ----
 
@@ -227,14 +233,17 @@ class Segments:
 
     def ran_eagerly(self) -> bool:
         """The expected op ran; whether it ended the segment."""
-        self.pos += 1
         segment = self.eager
+        if segment is None:  # ended meanwhile, by a materialization on another thread
+            return False
+        self.pos += 1
         if self.pos < len(segment.ops):
             return False
         self.eager = None
         self._ended(segment.ops, EAGER, False)
         if segment.host_boundaries is not None:
-            self.boundaries = -1  # the boundary that ended its recorded runs is still to come
+            # The boundary that ended its recorded runs is still to come.
+            self.boundaries = {segment.host_boundaries[0]: -1}
         return True
 
     def ends_eagerly_at(self, reason: str) -> bool:
@@ -288,7 +297,7 @@ class Segments:
         if self._last is not None:
             self.followed_by[self._last] = ops
         self._last, self._start = ops, now
-        self.boundaries = 0
+        self.boundaries = {}
         self._plan(self.known.get(self.followed_by.get(ops)))
         return segment
 

@@ -58,6 +58,8 @@ class TimedChoice:
                 return 1 - self.chosen, True
             if self._until_check == 0:
                 return self.chosen, True
+            if self._until_check < 0:  # the check's last run never reported (the caller dropped it)
+                self._until_check = self._recheck_every
         return self.chosen, False
 
     def peek(self) -> tuple[int, bool]:
