@@ -211,7 +211,7 @@ class Segments:
         """DeferAndFuse was left (its pending graph run): the segment or chain running
         eagerly or dormant ends untimed, and nothing is planned or timed across the gap."""
         self.dormant, self._dormant_before, self.eager, self.pos = None, (), None, 0
-        self._start = self._timed = self._chain_timed = self._last = None
+        self._start = self._timed = self._chain_timed = None
         self.boundaries = {}
 
     # ---- eager segments ----
