@@ -31,7 +31,13 @@ MAX_SPECIALIZATIONS = 8
 
 
 def _compile_boxed(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-    run = inductor.compile_graph(gm, example_inputs)
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    # With every dispatch mode off: AOTAutograd compiles a backward at its first call,
+    # inside autograd, where Dynamo's own compile-time switch-off does not reach, and
+    # DeferAndFuse would otherwise record the compile's ops on fake tensors.
+    with _disable_current_modes():
+        run = inductor.compile_graph(gm, example_inputs)
 
     def call(args: list) -> Any:  # AOTAutograd's boxed convention: the arguments as one list
         if torch._C._len_torch_dispatch_stack():  # DeferAndFuse, say: the graph is a sync point

@@ -38,20 +38,23 @@ def tpu_batches(source, ebc, count: int) -> list[Batch]:
     return out
 
 
+def trained(kind: str, source, compiled: bool):
+    """Three training steps: the losses, the last gradients, the state."""
+    _, model = build_pair(kind, source, optimizer=sparsecore.optim.Adam(lr=0.05), weighted=True)
+    optimizer = torch.optim.Adam(dense_parameters(model), lr=0.01, capturable=True)
+    step = training_step(DLRMTrain(model), optimizer, compiled)
+    batches = tpu_batches(source, model.sparse_arch.embedding_bag_collection, 3)
+    with torch.tpu.precision("highest"):
+        losses = [step(b).cpu() for b in batches]
+    grads = {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}
+    return losses, grads, {k: v.cpu() for k, v in model.state_dict().items()}
+
+
 @pytest.mark.parametrize("kind", ["dlrm", "dcn"])
 def test_compiled_training_step_equals_eager(kind):
     source = make_data(multi_hot=True)
-    runs = {}
-    for compiled in (False, True):
-        _, model = build_pair(kind, source, optimizer=sparsecore.optim.Adam(lr=0.05), weighted=True)
-        optimizer = torch.optim.Adam(dense_parameters(model), lr=0.01, capturable=True)
-        step = training_step(DLRMTrain(model), optimizer, compiled)
-        with torch.tpu.precision("highest"):
-            losses = [step(b).cpu() for b in tpu_batches(source, model.sparse_arch.embedding_bag_collection, 3)]
-        grads = {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}
-        runs[compiled] = losses, grads, {k: v.cpu() for k, v in model.state_dict().items()}
-
-    (eager_losses, eager_grads, eager_state), (losses, grads, state) = runs[False], runs[True]
+    eager_losses, eager_grads, eager_state = trained(kind, source, compiled=False)
+    losses, grads, state = trained(kind, source, compiled=True)
     torch.testing.assert_close(torch.stack(losses), torch.stack(eager_losses), atol=1e-5, rtol=1e-5)
     assert len(set(float(x) for x in losses)) == 3  # each step trained on what the last one changed
     assert grads.keys() == eager_grads.keys() and grads
@@ -61,6 +64,35 @@ def test_compiled_training_step_equals_eager(kind):
     assert tables
     for key, value in state.items():  # dense weights and tables after three steps
         torch.testing.assert_close(value, eager_state[key], atol=1e-5, rtol=1e-4, msg=key)
+
+
+def test_the_benchmarks_compiled_step_under_defer_and_fuse_equals_compiled_strict():
+    """benchmarks.compile's DLRM_DCN step (fullgraph forward with the SparseCore
+    lookups, compiled plain Adam) under DeferAndFuse: the compiled graphs are sync
+    points run with the mode off - the backward's too, which AOTAutograd compiles at
+    its first call, inside autograd; that compile runs with the mode off as well
+    (before, the mode recorded its ops on fake tensors and the next graph failed)."""
+    import torch_tpu
+    from benchmarks.compile import WORKLOADS, dlrm_make_step
+    from torch_tpu import defer
+
+    def dense_after_three_steps(mode: str) -> list[torch.Tensor]:
+        torch._dynamo.reset()
+        step, _ = dlrm_make_step(WORKLOADS["dlrm_train_step"], "tpu compiled")
+        with torch.tpu.precision("highest"), torch_tpu.eager_mode(mode):
+            for _ in range(3):
+                step()
+            torch.tpu.synchronize()
+        optimizer = step.__closure__[step.__code__.co_freevars.index("optimizer")].cell_contents
+        return [p.detach().cpu() for group in optimizer.param_groups for p in group["params"]]
+
+    strict = dense_after_three_steps("strict")
+    defer.reset_stats()
+    deferred = dense_after_three_steps("defer_and_fuse")
+    assert defer.stats().materialized_by["torch.compile graph"] > 0, defer.stats()
+    assert len(strict) == len(deferred) > 0
+    for a, b in zip(strict, deferred):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
 
 
 def test_new_batches_do_not_recompile_the_step():
