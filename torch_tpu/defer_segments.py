@@ -34,7 +34,8 @@ the prediction of what follows it rests on its ops being the expected ones.
 A step that calls the SparseCore engine or a collective is cut into several
 segments there, inside an op, where the mode cannot leave, so none of them
 could run dormant alone. The segments predicted from a host boundary to the
-next - a *chain*: none but the last saw a host boundary, each is settled
+next - a *chain*: none but the last saw a host boundary of the kind that ends
+the last (synchronize, mark_step: kinds are counted apart), each is settled
 with its choice made - can run dormant together: the mode leaves at the
 boundary before the first and comes back at the one that ends the last.
 Whether a chain runs dormant or as each of its segments chose (the mode on)
@@ -192,9 +193,9 @@ class Segments:
         return ()
 
     def _runs_dormant(self, chain: tuple[_Segment, ...]) -> bool:
-        """A lone segment runs dormant when it is planned eager; a longer chain, at its
-        first boundary (nothing ended since this one: a second synchronize in a row),
-        when its own choice says so."""
+        """A lone segment runs dormant when it is planned eager; a longer chain when its
+        own choice says so, at a boundary where a segment has just ended (not at a
+        second boundary in a row)."""
         if len(chain) == 1:
             return chain[0] is self.eager
         if any(self.boundaries.values()):
@@ -209,7 +210,8 @@ class Segments:
 
     def interrupted(self) -> None:
         """DeferAndFuse was left (its pending graph run): the segment or chain running
-        eagerly or dormant ends untimed, and nothing is planned or timed across the gap."""
+        eagerly or dormant ends untimed, and nothing runs or is timed across the gap
+        (the last segment is remembered: the first after re-entering is predicted)."""
         self.dormant, self._dormant_before, self.eager, self.pos = None, (), None, 0
         self._start = self._timed = self._chain_timed = None
         self.boundaries = {}
