@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from torch_tpu import deferred_graph, materialization_hooks
 from torch_tpu.defer_segments import UNMATCHED, Segments
@@ -845,17 +845,11 @@ def run_unrecorded(fn: Any, args: Any, reason: str) -> Any:
     mode entered above DeferAndFuse does not see the graph's ops either), so its own
     ops run at once on real memory and its outputs are real tensors. Otherwise, or while
     the mode is dormant (nothing pending), just ``fn(*args)``."""
-    if _engine is None or not any(isinstance(m, DeferAndFuse) for m in _dispatch_mode_stack()):
+    if _engine is None or not any(isinstance(m, DeferAndFuse) for m in _get_current_dispatch_mode_stack()):
         return fn(*args)
     _engine.materialize(reason)
     with _no_dispatch_modes():
         return fn(*args)
-
-
-def _dispatch_mode_stack() -> list:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    return _get_current_dispatch_mode_stack()
 
 
 def _hide_from_dynamo(*codes: Any) -> None:

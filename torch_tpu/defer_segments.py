@@ -71,13 +71,13 @@ class _Segment:
     ops: tuple
     settled_runs: int = 0
     choice: TimedChoice | None = None
-    # Its last recorded run ended at (kind, k): the k-th host boundary of that kind
-    # (synchronize, mark_step) since it began. None: it ended elsewhere.
-    host_boundaries: tuple[str, int] | None = None
+    end_reason: str | None = None  # what materialized its last recorded run
+    # When that was a host boundary: the k-th of its kind (synchronize, mark_step) since
+    # the segment began. None: it ended elsewhere.
+    host_boundaries: int | None = None
     # The kinds of host boundary its last recorded run saw, when it ended elsewhere (inside
     # an op: a SparseCore kernel, a collective): a chain ending at another kind can go on past it.
     seen: frozenset[str] = frozenset()
-    end_reason: str | None = None  # what materialized its last recorded run
 
 
 class Segments:
@@ -128,11 +128,10 @@ class Segments:
         ops = tuple(self.log)
         self.log = []
         boundaries = self.boundaries
-        reason_count = boundaries.get(reason, 0)
         settled = settled or (new_graph and ops in self.known)
         segment = self._ended(ops, RECORDED, settled)
         if segment is not None:
-            segment.host_boundaries = (reason, reason_count) if at_host_boundary else None
+            segment.host_boundaries = boundaries.get(reason, 0) if at_host_boundary else None
             segment.seen = frozenset() if at_host_boundary else frozenset(k for k, n in boundaries.items() if n > 0)
             segment.end_reason = reason
 
@@ -157,8 +156,7 @@ class Segments:
         for running in (self.dormant, self.eager if self.pos > 0 else None):
             if running is None or running.host_boundaries is None:
                 continue
-            kind, k = running.host_boundaries
-            if self.boundaries.get(kind, 0) < k:
+            if self.boundaries.get(running.end_reason, 0) < running.host_boundaries:
                 return running is self.dormant, ended
             dormant = running is self.dormant
             chain = (*self._dormant_before, running) if dormant else (running,)
@@ -187,8 +185,8 @@ class Segments:
                 return ()  # its next run is to be timed (as every run while it is still choosing)
             chain.append(segment)
             if segment.host_boundaries is not None:
-                kind = segment.host_boundaries[0]  # what ends the chain: none before may see one
-                return tuple(chain) if not any(kind in s.seen for s in chain[:-1]) else ()
+                # What ends the chain: none before may have seen a boundary of that kind.
+                return tuple(chain) if not any(segment.end_reason in s.seen for s in chain[:-1]) else ()
             segment = self.known.get(self.followed_by.get(segment.ops))
         return ()
 
@@ -245,7 +243,7 @@ class Segments:
         self._ended(segment.ops, EAGER, False)
         if segment.host_boundaries is not None:
             # The boundary that ended its recorded runs is still to come.
-            self.boundaries = {segment.host_boundaries[0]: -1}
+            self.boundaries = {segment.end_reason: -1}
         return True
 
     def ends_eagerly_at(self, reason: str) -> bool:

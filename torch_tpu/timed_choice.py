@@ -48,25 +48,20 @@ class TimedChoice:
 
     def next(self) -> tuple[int, bool]:
         """The variant to run next, and whether to time it (and ``report`` its time)."""
+        upcoming = self.peek()
         if self.chosen is None:
-            variant = self._calls % 2
             self._calls += 1
-            return variant, True
-        if self._until_check is not None:
+        elif self._until_check is not None:
             self._until_check -= 1
-            if self._until_check == 1:  # a check: this run times the other variant, the next the chosen
-                return 1 - self.chosen, True
-            if self._until_check == 0:
-                return self.chosen, True
             if self._until_check < 0:  # the check's last run never reported (the caller dropped it)
                 self._until_check = self._recheck_every
-        return self.chosen, False
+        return upcoming
 
     def peek(self) -> tuple[int, bool]:
         """What ``next()`` will return, without counting a call."""
         if self.chosen is None:
             return self._calls % 2, True
-        if self._until_check in (1, 2):  # next() counts it down first: a check's two timed runs
+        if self._until_check in (1, 2):  # a check's two timed runs: the other variant, then the chosen
             return (1 - self.chosen if self._until_check == 2 else self.chosen), True
         return self.chosen, False
 
