@@ -236,6 +236,32 @@ def test_a_direct_graph_runs_after_the_streams_queued_work():
     torch.testing.assert_close(y.cpu(), torch.full((64,), 3.0).sin() + 1)
 
 
+def targets(gm: torch.fx.GraphModule) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("precision", ["highest", "medium"])
+def test_a_bias_add_read_by_a_kernel_is_unfused_from_its_matmul(precision):
+    torch.manual_seed(0)
+    x, w, b = (torch.randn(64, 48, device="tpu"), torch.randn(32, 48, device="tpu"), torch.randn(32, device="tpu"))
+    linear_norm = trace(lambda x, w, b: torch.nn.functional.layer_norm(torch.addmm(b, x, w.t()), (32,)), x, w, b)
+    host = inductor.host_graph(linear_norm)
+    assert torch.ops.torch_tpu.mxu_addmm.default not in targets(host)
+    assert torch.ops.torch_tpu.mxu_mm.default in targets(host)
+    assert torch.ops.aten.add.Tensor in targets(host)
+    # The addmm's only reader a matmul, or the graph's output: nothing to fuse the add into.
+    chained = inductor.host_graph(trace(lambda x, w, b: torch.addmm(b, x, w.t()) @ w, x, w, b))
+    bare = inductor.host_graph(trace(lambda x, w, b: torch.addmm(b, x, w.t()), x, w, b))
+    scaled = inductor.host_graph(trace(lambda x, w, b: torch.addmm(b, x, w.t(), beta=2).relu(), x, w, b))
+    for kept in (chained, bare, scaled):
+        assert torch.ops.torch_tpu.mxu_addmm.default in targets(kept)
+    with torch.tpu.precision(precision):
+        runner = inductor.compile_graph(linear_norm, [x, w, b], choose=False)
+        strict = torch.nn.functional.layer_norm(torch.addmm(b, x, w.t()), (32,))
+        # The bias is added to the finished product: an ulp from addmm's order, no more.
+        torch.testing.assert_close(single(runner(x, w, b)).cpu(), strict.cpu(), rtol=1e-6, atol=1e-6)
+
+
 def test_a_matmul_without_an_mxu_op_runs_op_by_op():
     a, v = torch.randn(16, 8, device="tpu"), torch.randn(8, device="tpu")
     gm = trace(lambda a, v: torch.mv(a, v).exp(), a, v)
