@@ -10,7 +10,8 @@ as they come.
 
 The SparseCore limits still hold: the pass counts every partition's ids
 before merging, which bounds both the merged entries and the distinct rows
-from above. When that bound passes ``max_unique_ids_per_partition`` (the
+from above (no count is needed, and none is made, when no receiving
+SparseCore's batch slice carries more ids than the limit). When that bound passes ``max_unique_ids_per_partition`` (the
 smaller limit) the batch is left to the full preprocessing
 (``inference_lookups`` returns None), which decides exactly, raising or
 dropping ids as it does for training. The pass stops as soon as one of its

@@ -48,10 +48,11 @@ class ChunkLookup {
         map_(a.n), slots_(static_cast<int64_t>(a.features.size())), out_(out), scratch_(kDim > 0 ? 0 : dim_) {}
 
   // Bags [k_begin, k_end): sums written, ids counted into `counts` (n x n,
-  // this chunk's). Returns false, having summed nothing of the bag, at the
-  // first out-of-range id (its slot and value in `bad`), or once a partition
-  // of this chunk alone has passed `bound` ids (so has the batch: `over` is
-  // set) or another chunk found that.
+  // this chunk's; nullptr: no partition can pass `bound`, so none are
+  // counted). Returns false at the first out-of-range id (its slot and value
+  // in `bad`), or once a partition of this chunk alone has passed `bound` ids
+  // (so has the batch: `over` is set) or another chunk found that; the sums
+  // are then not to be used.
   bool run(int64_t k_begin, int64_t k_end, int64_t* counts, int64_t* bad, int64_t bound, std::atomic<bool>& over) {
     const int64_t slice = std::max<int64_t>((a_.batch_size + a_.n - 1) / a_.n, 1);
     BagSum<scalar_t, kDim> sum(dim_, scratch_.data());
@@ -66,23 +67,24 @@ class ChunkLookup {
       }
       const int64_t bag_index = a_.features[slot] * a_.batch_size + at.b;
       const int64_t begin = starts_[bag_index], length = starts_[bag_index + 1] - begin;
-      if (const index_t* first_bad = first_outside(ids_ + begin, length, slot_.limit)) {
+      const std::optional<float> shared_gain = bag_gains(weights_, begin, length, a_.combiners[slot], gains_);
+      int64_t* receiver_counts = counts ? counts + at.receiver_base : nullptr;
+      const float gain = shared_gain.value_or(0.0f);
+      const bool summed =
+          counts ? (shared_gain ? sum_bag<true, true>(sum, begin, length, run_end, asked, gain, receiver_counts)
+                                : sum_bag<false, true>(sum, begin, length, run_end, asked, gain, receiver_counts))
+                 : (shared_gain ? sum_bag<true, false>(sum, begin, length, run_end, asked, gain, nullptr)
+                                : sum_bag<false, false>(sum, begin, length, run_end, asked, gain, nullptr));
+      if (!summed) {
         bad[0] = slot;
-        bad[1] = static_cast<int64_t>(*first_bad);
+        bad[1] = bad_id_;
         stream_fence();
         return false;
       }
-      const std::optional<float> shared_gain = bag_gains(weights_, begin, length, a_.combiners[slot], gains_);
-      count_owners(begin, length, counts + at.receiver_base);
-      if (over.load(std::memory_order_relaxed) || past(counts + at.receiver_base, bound)) {
+      if (counts && (over.load(std::memory_order_relaxed) || past(receiver_counts, bound))) {
         over.store(true, std::memory_order_relaxed);
         stream_fence();
         return false;
-      }
-      if (shared_gain) {
-        sum_bag<true>(sum, begin, length, run_end, asked, *shared_gain);
-      } else {
-        sum_bag<false>(sum, begin, length, run_end, asked, 0.0f);
       }
       sum.store(out_ + (at.b * slots_ + at.slot) * dim());
     }
@@ -97,33 +99,20 @@ class ChunkLookup {
     return past;
   }
 
-  // Adds the bag's ids to their owners' counts (`counts`: the receiver's n).
-  // With a power-of-two count of at most 4 SparseCores, the counts are 16-bit
-  // lanes of one register: a loop of its own that vectorizes, rather than a
-  // dependent memory increment per id.
-  void count_owners(int64_t begin, int64_t length, int64_t* counts) const {
-    const int64_t n = a_.n, rotation = slot_.rotation;
-    if (n > 4 || (n & (n - 1)) != 0 || length >= 65536) {
-      for (int64_t i = 0; i < length; ++i) ++counts[map_.owner(static_cast<int64_t>(ids_[begin + i]) + rotation)];
-      return;
-    }
-    uint64_t lanes = 0;
-    for (int64_t i = 0; i < length; ++i) {
-      lanes += uint64_t{1} << (16 * ((static_cast<int64_t>(ids_[begin + i]) + rotation) & (n - 1)));
-    }
-    for (int64_t o = 0; o < n; ++o) counts[o] += (lanes >> (16 * o)) & 0xFFFF;
-  }
-
-  // Sums the bag [begin, begin + length) into `sum`, asking for rows
+  // Sums the bag [begin, begin + length) into `sum` and adds its ids to their
+  // owners' counts (kCount; `counts`: the receiver's n), asking for rows
   // kPrefetchDistance ids ahead within the slot (up to run_end; `asked` is
-  // the first id not yet asked for). Where each row is, is kept from its
-  // request to its sum. Ids past the bag are not checked yet: an
-  // out-of-range one is not asked for. kShared: every id has `gain`, else
+  // the first id not yet asked for). An id is checked, and its row and owner
+  // worked out, when it is asked for; they are kept from the request to the
+  // sum. Returns false at the first out-of-range id asked for (its value in
+  // bad_id_), before it is summed: one pass over the ids, not three - the
+  // separate checking and counting passes cost 10% of a Zipf-id lookup,
+  // whose rows mostly come from cache. kShared: every id has `gain`, else
   // gains_ holds the bag's.
-  template <bool kShared>
-  void sum_bag(BagSum<scalar_t, kDim>& sum, int64_t begin, int64_t length, int64_t run_end, int64_t& asked,
-               float gain) {
-    // Locals: the stores to where_ would otherwise make the compiler reload
+  template <bool kShared, bool kCount>
+  bool sum_bag(BagSum<scalar_t, kDim>& sum, int64_t begin, int64_t length, int64_t run_end, int64_t& asked,
+               float gain, int64_t* counts) {
+    // Locals: the stores to the rings would otherwise make the compiler reload
     // every member they might alias, once per id.
     const index_t* ids = ids_;
     const scalar_t* table = table_;
@@ -131,16 +120,41 @@ class ChunkLookup {
     const int64_t rows_per_sc = a_.rows_per_sc;
     const ShardMap map = map_;
     int64_t* where = where_;
+    int32_t* owners = owners_;
+    // Up to 4 SparseCores, a power-of-two count: the bag's counts are 16-bit
+    // lanes of one register, an add per id rather than a dependent memory
+    // increment.
+    const int64_t n = a_.n;
+    const bool in_lanes = n <= 4 && (n & (n - 1)) == 0 && length < 65536;
+    uint64_t lanes = 0;
     sum.clear();
     for (int64_t i = 0; i < length; ++i) {
       for (const int64_t ahead = std::min(begin + i + kPrefetchDistance, run_end); asked < ahead; ++asked) {
+        if (outside(ids[asked], limit)) {
+          bad_id_ = static_cast<int64_t>(ids[asked]);
+          return false;
+        }
         const int64_t shifted = static_cast<int64_t>(ids[asked]) + rotation;
-        const int64_t offset = (map.owner(shifted) * rows_per_sc + first_row + map.row(shifted)) * dim();
+        const int64_t owner = map.owner(shifted);
+        const int64_t offset = (owner * rows_per_sc + first_row + map.row(shifted)) * dim();
         where[asked % kRing] = offset;
-        if (!outside(ids[asked], limit)) prefetch_bytes(table + offset, dim() * sizeof(scalar_t));
+        if constexpr (kCount) owners[asked % kRing] = static_cast<int32_t>(owner);
+        prefetch_bytes(table + offset, dim() * sizeof(scalar_t));
       }
-      sum.add(table + where[(begin + i) % kRing], kShared ? gain : gains_[i]);
+      const int64_t at = (begin + i) % kRing;
+      if constexpr (kCount) {
+        if (in_lanes) {
+          lanes += uint64_t{1} << (16 * owners[at]);
+        } else {
+          ++counts[owners[at]];
+        }
+      }
+      sum.add(table + where[at], kShared ? gain : gains_[i]);
     }
+    if constexpr (kCount) {
+      for (int64_t o = 0; in_lanes && o < n; ++o) counts[o] += (lanes >> (16 * o)) & 0xFFFF;
+    }
+    return true;
   }
 
   // The row width: a constant where kDim is known, so row offsets are shifts.
@@ -167,7 +181,25 @@ class ChunkLookup {
   std::vector<float> gains_;
   Slot slot_;
   int64_t where_[kRing];  // row_offset of the ids asked for, by position in the KJT modulo kRing
+  int32_t owners_[kRing];  // and their owners
+  int64_t bad_id_ = 0;  // the out-of-range id sum_bag stopped at
 };
+
+// The most ids that one receiving SparseCore's batch slice carries over the
+// stack's features: a bound on every partition's count, since a partition
+// holds some of one receiver's ids.
+int64_t most_ids_per_receiver(const std::vector<int64_t>& starts, at::IntArrayRef features, int64_t batch_size,
+                              int64_t n) {
+  const int64_t slice = std::max<int64_t>((batch_size + n - 1) / n, 1);
+  int64_t most = 0;
+  for (int64_t b0 = 0; b0 < batch_size; b0 += slice) {
+    const int64_t b1 = std::min(batch_size, b0 + slice);
+    int64_t total = 0;
+    for (const int64_t f : features) total += starts[f * batch_size + b1] - starts[f * batch_size + b0];
+    most = std::max(most, total);
+  }
+  return most;
+}
 
 // Returns the (bags, dim) fp32 sums (bag slot * batch_size + b at row
 // b * slots + slot, as the COO lookup), (slot, id) of the first out-of-range
@@ -200,7 +232,10 @@ std::tuple<at::Tensor, int64_t, int64_t, bool> inference_lookup_pooled(
               v.numel(), " ids");
   auto out = at::empty({num_bags, dim}, weight.options().dtype(at::kFloat));
   const int64_t num_chunks = std::max<int64_t>(1, std::min<int64_t>(num_bags / 256, 8 * kernel_threads()));
-  std::vector<int64_t> chunk_counts(num_chunks * n * n, 0);
+  // Counting costs a tenth of a lookup whose rows come from cache (Zipf ids);
+  // it is skipped when no receiver's batch slice carries more than `bound` ids.
+  const bool counting = most_ids_per_receiver(starts, features, batch_size, n) > bound;
+  std::vector<int64_t> chunk_counts(counting ? num_chunks * n * n : 0, 0);
   std::vector<int64_t> bad(num_chunks * 2, -1);
   std::atomic<bool> over{false};
   AT_DISPATCH_INDEX_TYPES(v.scalar_type(), "inference_lookup_pooled", [&] {
@@ -212,7 +247,8 @@ std::tuple<at::Tensor, int64_t, int64_t, bool> inference_lookup_pooled(
               weight.const_data_ptr<scalar_t>(), dim, out.mutable_data_ptr<float>());
           for (int64_t c; claim(c);) {
             if (!lookup.run(num_bags * c / num_chunks, num_bags * (c + 1) / num_chunks,
-                            chunk_counts.data() + c * n * n, bad.data() + 2 * c, bound, over)) {
+                            counting ? chunk_counts.data() + c * n * n : nullptr, bad.data() + 2 * c, bound,
+                            over)) {
               return;
             }
           }
@@ -224,6 +260,7 @@ std::tuple<at::Tensor, int64_t, int64_t, bool> inference_lookup_pooled(
   for (int64_t c = 0; c < num_chunks; ++c) {
     if (bad[2 * c] >= 0) return {out, bad[2 * c], bad[2 * c + 1], false};
   }
+  if (!counting) return {out, -1, 0, false};
   std::vector<int64_t> total(n * n, 0);
   for (int64_t c = 0; c < num_chunks; ++c)
     for (int64_t p = 0; p < n * n; ++p) total[p] += chunk_counts[c * n * n + p];

@@ -177,6 +177,27 @@ def test_out_of_range_ids_are_named(bad):
         engine(kjt)
 
 
+@pytest.mark.parametrize("where", ["deep in a long bag", "the last id"])
+def test_an_out_of_range_id_is_named_wherever_it_sits(where, monkeypatch):
+    # The pass checks each id when it asks for the id's row, ahead of the sum: an id that is
+    # never summed must still be checked, and a bad one never read.
+    no_preprocessing(monkeypatch)
+    tables = TABLES[:1]
+    engine = SparseCoreEmbeddingBagCollection(roomy(tables), device="tpu", num_sparsecores=4)
+    kjt = random_kjt(tables, batch=6, seed=3, max_len=300)
+    values, lengths = kjt.values().clone(), kjt.lengths()
+    if where == "the last id":
+        position, feature = values.numel() - 1, "f1"
+    else:  # 150 ids into f0's longest bag, past the rows asked for at its start
+        longest = int(lengths[:6].argmax())
+        assert lengths[longest] > 150
+        position, feature = int(lengths[:longest].sum()) + 150, "f0"
+    values[position] = 10**9
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=kjt.keys(), values=values, lengths=lengths)
+    with torch.inference_mode(), pytest.raises(InputError, match=rf"feature '{feature}' \(table 'a'\): id 1000000000 is"):
+        engine(kjt)
+
+
 def test_inference_sees_deferred_updates():
     tables = roomy(TABLES[:1])
     engine = SparseCoreEmbeddingBagCollection(tables, sparsecore.optim.SGD(lr=0.5), device="tpu", num_sparsecores=4)
