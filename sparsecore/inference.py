@@ -10,8 +10,7 @@ as they come.
 
 The SparseCore limits still hold: the pass counts every partition's ids
 before merging, which bounds both the merged entries and the distinct rows
-from above (no count is needed, and none is made, when no receiving
-SparseCore's batch slice carries more ids than the limit). When that bound passes ``max_unique_ids_per_partition`` (the
+from above. When that bound passes ``max_unique_ids_per_partition`` (the
 smaller limit) the batch is left to the full preprocessing
 (``inference_lookups`` returns None), which decides exactly, raising or
 dropping ids as it does for training. The pass stops as soon as one of its
@@ -20,8 +19,10 @@ sit far below the raw counts; the lookup pays where the limits leave room
 above them (as the default and the benchmark's do), while with
 ``max_unique_ids_per_partition`` tuned close to the distinct rows a batch
 needs (``with_observed_limits``), batches with repeated ids mostly fall
-back. Batches served here are not observed (``observed_limits``): they never
-build the partitions; those that fall back are, as every preprocessed batch.
+back. When no receiving SparseCore's batch slice carries more ids than the
+limit, no partition can, and the pass counts nothing. Batches served here
+are not observed (``observed_limits``): they never build the partitions;
+those that fall back are, as every preprocessed batch.
 """
 
 from __future__ import annotations

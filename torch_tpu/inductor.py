@@ -137,10 +137,10 @@ def unfuse_bias_adds(gm: torch.fx.GraphModule) -> int:
     """Rewrites ``mxu_addmm(bias, a, b)`` as ``mxu_mm(a, b) + bias`` where a kernel that
     Inductor generates reads the result, so the add fuses into that kernel, as XLA fuses a
     dot's bias add into its consumer. The addmm kernel first broadcasts the bias into its
-    whole output, then accumulates the GEMM onto it: a pass over the output that costs as
-    much as a LayerNorm (about 15 us at 256 x 256 here), made for every Linear layer. The
-    sum is fp32 either way; only its order against the GEMM's blocks may differ, by an ulp.
-    Returns how many addmms were rewritten."""
+    whole output, then accumulates the GEMM onto it: a pass over the output for every
+    Linear layer (on benchmarks.compile's small-op step, four 256 x 256 Linears, 0.12 ms
+    of a 3.2 ms step). The sum is fp32 either way; only its order against the GEMM's
+    blocks may differ, by an ulp. Returns how many addmms were rewritten."""
     mxu_targets = {op.default for op in MXU_OPS.values()}
     rewritten = 0
     for node in list(gm.graph.nodes):
