@@ -176,6 +176,39 @@ def test_a_graph_with_a_cpu_output_runs_on_host_views():
     torch.testing.assert_close(exp.cpu(), x.cpu().exp())
 
 
+def test_inputs_are_checked_against_the_layouts_the_graph_was_compiled_for(direct):
+    # One builtin call checks them all; the wrapper asserts none itself.
+    x, y = torch.randn(4, 8, device="tpu"), torch.randn(8, device="tpu")
+    runner = inductor.compile_graph(trace(lambda x, y: ((x * y).exp(),), x, y), [x, y], choose=False)
+    assert runner.direct == direct
+    assert runner._layouts == ((0, (4, 8), (8, 1)), (1, (8,), (1,)))
+    source = direct_run._wrapper_globals(runner.compiled)["__file__"]
+    with open(source) as f:
+        assert "assert_size_stride(" not in f.read()  # (the name is imported all the same)
+    torch.testing.assert_close(single(runner(x, y)).cpu(), (x.cpu() * y.cpu()).exp())
+    column_major = x.cpu().t().contiguous().t().to("tpu")  # same values and sizes, strides (1, 4)
+    with pytest.raises(AssertionError, match=r"compiled graph input 0: compiled for size \(4, 8\) and stride "
+                                             r"\(8, 1\), got size \[4, 8\] and stride \[1, 4\]"):
+        runner(column_major, y)
+    with pytest.raises(AssertionError, match=r"compiled graph input 1: .* got size \[9\]"):
+        runner(x, torch.randn(9, device="tpu"))
+    single_row = torch.randn(1, 8, device="tpu")[:, :]  # a size-1 dim's stride is free, as Inductor's assert has it
+    one = inductor.compile_graph(trace(lambda x: (x + 1,), single_row), [single_row], choose=False)
+    wide = torch.randn(2, 16, device="tpu")[:1, :8]  # strides (16, 1) against the compiled (8, 1)
+    torch.testing.assert_close(single(one(wide)).cpu(), wide.cpu() + 1)
+
+
+def test_symbolic_inputs_leave_the_size_checks_to_inductor():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    assert inductor.input_layouts([torch.randn(4, 8), 3]) == ((0, (4, 8), (8, 1)),)
+    mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=False)
+    dynamic = mode.from_tensor(torch.randn(4, 8), symbolic_context=StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC]))
+    assert inductor.input_layouts([torch.randn(2), dynamic]) is None
+
+
 def test_the_direct_allocator_follows_the_thread():
     """Inside enter_direct the wrapper's allocations are tpu memory on that thread only; elsewhere cpu."""
     import threading

@@ -49,6 +49,13 @@ def switches() -> tuple[Callable[[int], int], Callable[[int], None]]:
     return functions["enter_direct"], functions["exit_direct"]
 
 
+def layout_check() -> Callable[[Any, tuple], None]:
+    """``check_layouts(args, layouts)``: raises AssertionError unless every ``(position, sizes,
+    strides)`` of ``layouts`` holds for ``args[position]`` (strides of dims of size 1 free). One
+    builtin call for all of a graph's inputs, in place of Inductor's assert per input."""
+    return _builtins()["check_layouts"]
+
+
 def _wrapper_globals(compiled: Any) -> dict[str, Any] | None:
     """The globals of the Inductor wrapper module behind ``compiled`` (a standalone_compile
     artifact, loaded or fresh): found through the AOTAutograd wrappers' closures down to the

@@ -9,6 +9,11 @@
 // graph directly and CPU memory otherwise (a module may be shared with a
 // CPU compile of the same code).
 //
+// check_layouts, for every compiled graph (direct or on host views): the
+// sizes and strides of all its tensor inputs in one call, which Inductor's
+// wrapper would check with an assert_size_stride call per input (an
+// optimizer's graph has a hundred and more).
+//
 // These are Python builtins, not torch ops: a graph allocates dozens of
 // buffers a call, and a torch op costs microseconds to call from Python.
 
@@ -20,9 +25,9 @@
 #include <Python.h>
 #include <c10/util/SmallVector.h>
 #include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/python_variable.h>
 
-// libtorch_python's; declared here rather than through its pybind11 header.
-PyObject* THPVariable_Wrap(const at::TensorBase& var);
+#include <sstream>
 
 namespace torch_tpu {
 namespace {
@@ -99,11 +104,76 @@ PyObject* exit_direct(PyObject* /*self*/, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
+// The layout an input was compiled for: a tuple (position, sizes, strides).
+bool layout_matches(const at::Tensor& t, PyObject* sizes, PyObject* strides) {
+  const Py_ssize_t dims = PyTuple_GET_SIZE(sizes);
+  if (t.dim() != dims) return false;
+  for (Py_ssize_t d = 0; d < dims; ++d) {
+    const int64_t size = PyLong_AsLongLong(PyTuple_GET_ITEM(sizes, d));
+    if (t.size(d) != size) return false;
+    // A dim of size 0 or 1 is never stepped over: its stride is free (as for assert_size_stride).
+    if (size > 1 && t.stride(d) != PyLong_AsLongLong(PyTuple_GET_ITEM(strides, d))) return false;
+  }
+  return true;
+}
+
+std::string tuple_text(PyObject* ints) {
+  std::ostringstream out;
+  out << "(";
+  for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(ints); ++d) {
+    out << (d ? ", " : "") << PyLong_AsLongLong(PyTuple_GET_ITEM(ints, d));
+  }
+  out << (PyTuple_GET_SIZE(ints) == 1 ? ",)" : ")");
+  return out.str();
+}
+
+// check_layouts(args, layouts): for every (position, sizes, strides) of
+// `layouts`, args[position] is a tensor of those sizes and, in every dim of
+// size > 1, those strides; else an AssertionError naming the first input that
+// is not. Inductor's kernels index their inputs by the strides they were
+// compiled for.
+PyObject* check_layouts(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyTuple_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "check_layouts(args, layouts): takes a sequence and a tuple of layouts");
+    return nullptr;
+  }
+  PyObject* values = PySequence_Fast(args[0], "check_layouts: args must be a sequence");
+  if (values == nullptr) return nullptr;
+  const Py_ssize_t count = PySequence_Fast_GET_SIZE(values);
+  PyObject** items = PySequence_Fast_ITEMS(values);
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(args[1]); ++k) {
+    PyObject* layout = PyTuple_GET_ITEM(args[1], k);
+    const Py_ssize_t position = PyLong_AsSsize_t(PyTuple_GET_ITEM(layout, 0));
+    PyObject* sizes = PyTuple_GET_ITEM(layout, 1);
+    PyObject* strides = PyTuple_GET_ITEM(layout, 2);
+    PyObject* value = position < count ? items[position] : nullptr;
+    if (value != nullptr && THPVariable_Check(value) && layout_matches(THPVariable_Unpack(value), sizes, strides)) {
+      continue;
+    }
+    std::ostringstream what;
+    what << "compiled graph input " << position << ": compiled for size " << tuple_text(sizes) << " and stride "
+         << tuple_text(strides) << ", got ";
+    if (value == nullptr || !THPVariable_Check(value)) {
+      what << (value == nullptr ? "no argument" : Py_TYPE(value)->tp_name);
+    } else {
+      const at::Tensor& t = THPVariable_Unpack(value);
+      what << "size " << t.sizes() << " and stride " << t.strides();
+    }
+    Py_DECREF(values);
+    PyErr_SetString(PyExc_AssertionError, what.str().c_str());
+    return nullptr;
+  }
+  Py_DECREF(values);
+  Py_RETURN_NONE;
+}
+
 PyMethodDef kMethods[] = {
     {"empty_strided", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(empty_strided)), METH_FASTCALL,
      "Inductor's empty_strided_cpu, allocating tpu memory while the thread runs a graph directly."},
     {"enter_direct", enter_direct, METH_O, "Graphs on this thread allocate on the given tpu; returns the previous."},
     {"exit_direct", exit_direct, METH_O, "Restores what enter_direct returned."},
+    {"check_layouts", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(check_layouts)), METH_FASTCALL,
+     "Checks the sizes and strides of a compiled graph's tensor inputs."},
     {nullptr, nullptr, 0, nullptr},
 };
 
