@@ -143,6 +143,13 @@ PyObject* check_layouts(PyObject* /*self*/, PyObject* const* args, Py_ssize_t na
   PyObject** items = PySequence_Fast_ITEMS(values);
   for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(args[1]); ++k) {
     PyObject* layout = PyTuple_GET_ITEM(args[1], k);
+    if (!PyTuple_Check(layout) || PyTuple_GET_SIZE(layout) != 3 || !PyTuple_Check(PyTuple_GET_ITEM(layout, 1)) ||
+        !PyTuple_Check(PyTuple_GET_ITEM(layout, 2)) ||
+        PyTuple_GET_SIZE(PyTuple_GET_ITEM(layout, 1)) != PyTuple_GET_SIZE(PyTuple_GET_ITEM(layout, 2))) {
+      Py_DECREF(values);
+      PyErr_SetString(PyExc_TypeError, "check_layouts: a layout is a tuple (position, sizes, strides) of equal ranks");
+      return nullptr;
+    }
     const Py_ssize_t position = PyLong_AsSsize_t(PyTuple_GET_ITEM(layout, 0));
     PyObject* sizes = PyTuple_GET_ITEM(layout, 1);
     PyObject* strides = PyTuple_GET_ITEM(layout, 2);
