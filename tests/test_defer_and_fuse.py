@@ -908,13 +908,19 @@ def mode_on() -> bool:
     return any(isinstance(m, defer.DeferAndFuse) for m in mode_stack())
 
 
+def segments_chosen_eager(monkeypatch) -> None:
+    """Every segment settles after 2 recorded runs and is chosen eager, untimed, from
+    then on (``peek`` too: a chain's segments are never due for a timed run)."""
+    monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
+    monkeypatch.setattr(defer_segments.TimedChoice, "next", lambda self: (defer_segments.EAGER, False))
+    monkeypatch.setattr(defer_segments.TimedChoice, "peek", lambda self: (defer_segments.EAGER, False))
+
+
 @pytest.mark.parametrize("sync", ["synchronize", "mark_step"])
 def test_a_step_cut_inside_an_op_runs_dormant_as_a_chain(sync, monkeypatch):
     """Neither of the step's segments can run dormant alone (one begins, the other
     ends, inside the mask's op); together, from boundary to boundary, they do."""
-    monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
-    monkeypatch.setattr(defer_segments.TimedChoice, "next", lambda self: (defer_segments.EAGER, False))
-    monkeypatch.setattr(defer_segments.TimedChoice, "peek", lambda self: (defer_segments.EAGER, False))
+    segments_chosen_eager(monkeypatch)
     strict = sgd_steps("strict", n=12, sync=sync, masked=True)
     seen = []
     deferred = sgd_steps("defer_and_fuse", n=12, sync=sync, masked=True,
@@ -936,9 +942,7 @@ def test_a_synchronize_after_each_mark_step_neither_ends_a_chain_nor_keeps_it_fr
     ends in mark_step: host boundaries are counted by kind, so the chain ending at
     mark_step forms (its first segment saw a synchronize, not a mark_step) and the
     synchronize does not end it before its ops have run."""
-    monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
-    monkeypatch.setattr(defer_segments.TimedChoice, "next", lambda self: (defer_segments.EAGER, False))
-    monkeypatch.setattr(defer_segments.TimedChoice, "peek", lambda self: (defer_segments.EAGER, False))
+    segments_chosen_eager(monkeypatch)
 
     def mark_then_synchronize():
         torch.tpu.mark_step()

@@ -61,6 +61,7 @@ MXU_OPS: dict[Any, Any] = {
     aten.convolution: _mxu.mxu_convolution,
     aten.convolution_backward: _mxu.mxu_convolution_backward,
 }
+_MXU_TARGETS = frozenset(op.default for op in MXU_OPS.values())
 # Matmul-family ops the tpu runs at MXU precision with no compiled counterpart
 # here: a graph holding one (at fp32) runs op by op rather than exactly.
 UNMAPPED_MXU_OPS = frozenset(
@@ -141,14 +142,13 @@ def unfuse_bias_adds(gm: torch.fx.GraphModule) -> int:
     Linear layer (on benchmarks.compile's small-op step, four 256 x 256 Linears, 0.12 ms
     of a 3.2 ms step). The sum is fp32 either way; only its order against the GEMM's
     blocks may differ, by an ulp. Returns how many addmms were rewritten."""
-    mxu_targets = {op.default for op in MXU_OPS.values()}
     rewritten = 0
     for node in list(gm.graph.nodes):
         if node.target is not _mxu.mxu_addmm.default or len(node.args) != 3:
             continue
         if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
             continue
-        if not any(u.op == "call_function" and u.target not in mxu_targets for u in node.users):
+        if not any(u.op == "call_function" and u.target not in _MXU_TARGETS for u in node.users):
             continue  # no kernel to fuse the add into: it would be a pass of its own
         bias, a, b = node.args
         with gm.graph.inserting_before(node):

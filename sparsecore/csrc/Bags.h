@@ -33,6 +33,12 @@ class ShardMap {
   int shift_ = 0;
 };
 
+// Samples per receiving SparseCore: sample b's bags are received by SparseCore
+// b / batch_slice (the last slice may be shorter).
+inline int64_t batch_slice(int64_t batch_size, int64_t n) {
+  return std::max<int64_t>((batch_size + n - 1) / n, 1);
+}
+
 // Walks a stack's bags k = slot * batch_size + b in order without dividing
 // per bag (a division costs more than a one-id bag's other work), keeping the
 // receiving SparseCore of sample b: the owner-0 partition of its batch slice.

@@ -54,7 +54,7 @@ class ChunkLookup {
   // (so has the batch: `over` is set) or another chunk found that; the sums
   // are then not to be used.
   bool run(int64_t k_begin, int64_t k_end, int64_t* counts, int64_t* bad, int64_t bound, std::atomic<bool>& over) {
-    const int64_t slice = std::max<int64_t>((a_.batch_size + a_.n - 1) / a_.n, 1);
+    const int64_t slice = batch_slice(a_.batch_size, a_.n);
     BagSum<scalar_t, kDim> sum(dim_, scratch_.data());
     int64_t slot = -1, run_end = 0, asked = 0;  // the slot's ids in this chunk end at run_end
     for (BagCursor at(k_begin, a_.batch_size, slice, a_.n); at.k < k_end; at.next()) {
@@ -190,7 +190,7 @@ class ChunkLookup {
 // holds some of one receiver's ids.
 int64_t most_ids_per_receiver(const std::vector<int64_t>& starts, at::IntArrayRef features, int64_t batch_size,
                               int64_t n) {
-  const int64_t slice = std::max<int64_t>((batch_size + n - 1) / n, 1);
+  const int64_t slice = batch_slice(batch_size, n);
   int64_t most = 0;
   for (int64_t b0 = 0; b0 < batch_size; b0 += slice) {
     const int64_t b1 = std::min(batch_size, b0 + slice);

@@ -393,7 +393,7 @@ Preprocessed preprocess_impl(
 
   // Pass 1, parallel over chunks of the stack's bags (slot-major: bag = slot * B + b):
   // validate, map to (owner, row), merge within the bag, stage with counts.
-  const int64_t slice = std::max<int64_t>((batch_size + n - 1) / n, 1);
+  const int64_t slice = batch_slice(batch_size, n);
   const int64_t num_bags = slots * batch_size;
   // Ids in the stack's bags [k_begin, k_end): within a slot its bags are one
   // run of the KJT's.

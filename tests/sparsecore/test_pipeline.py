@@ -281,14 +281,13 @@ def test_pipeline_steps_under_defer_and_fuse_run_dormant_with_the_plain_loops_nu
     import torch_tpu
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+    from tests.test_defer_and_fuse import segments_chosen_eager
     from torch_tpu import defer, defer_segments, deferred_graph
 
     monkeypatch.setenv("TORCH_TPU_DEFER_COMPILE", "off")
     monkeypatch.setattr(defer.engine(), "graphs", deferred_graph.GraphCache())
     monkeypatch.setattr(defer.engine(), "segments", defer_segments.Segments(defer.engine().segments.max_ops))
-    monkeypatch.setattr(defer_segments.Segments, "MIN_SETTLED_RUNS", 2)
-    monkeypatch.setattr(defer_segments.TimedChoice, "next", lambda self: (defer_segments.EAGER, False))
-    monkeypatch.setattr(defer_segments.TimedChoice, "peek", lambda self: (defer_segments.EAGER, False))
+    segments_chosen_eager(monkeypatch)
     batches, sizes = loader()
     batches = batches * 2
     optimizer = sparsecore.optim.RowWiseAdagrad(lr=0.1)
