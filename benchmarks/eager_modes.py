@@ -21,7 +21,8 @@ the compiler DeferAndFuse shares), tpu DeferAndFuse (after its graphs have
 compiled and chosen compiled or op by op). The compiled variants compile the
 model and the optimizer step.
 Reported: ms/step (the best of interleaved rounds' medians), ratio to CPU
-eager and to Strict, peak tpu memory over a step. Then cold vs warm start of the tpu-compiled step in fresh
+eager and to Strict (also as the median of per-round ratios, ``paired_ratio``),
+peak tpu memory over a step. Then cold vs warm start of the tpu-compiled step in fresh
 processes (empty caches, then the compile cache filled by the first run).
 """
 
@@ -222,6 +223,16 @@ def cold_and_warm_start() -> list[dict]:
     return rows
 
 
+def paired_ratio(anchor_rounds: list[float], rounds: list[float]) -> float:
+    """The median over rounds of anchor ms / this ms, each pair from the same round.
+
+    The best round of each side is the figure of record; this is its check on a host
+    whose speed drifts (a shared VM: a round can be 1.5x slower than the one before it
+    for every variant alike). A pair shares the host's state of the moment, so drift
+    cancels; what noise remains pulls the ratio towards 1, so it errs low."""
+    return statistics.median(a / b for a, b in zip(anchor_rounds, rounds, strict=True))
+
+
 def measure(workload: Workload, variants: list[str], steps: int, rounds: int, warmup: int) -> list[dict]:
     """One row per variant (rounds interleaved), with its ratios to CPU eager, to Strict and
     to CPU Inductor when those were measured too."""
@@ -230,6 +241,10 @@ def measure(workload: Workload, variants: list[str], steps: int, rounds: int, wa
         for v in timed:
             v.time_round(steps)
     results = {v.name: v.row(steps) for v in timed}
+    strict = next((v.times for v in timed if v.name == "tpu strict"), None)
+    if strict is not None:
+        for v in timed:
+            results[v.name]["speedup_vs_strict_paired"] = paired_ratio(strict, v.times)
     del timed  # the next workload's models need the memory
     for r in results.values():
         print(json.dumps(r), flush=True)
@@ -269,7 +284,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.workloads.split(","):
         rows += measure(WORKLOADS[name], args.variants.split(","), args.steps, args.rounds, args.warmup)
     columns = ["workload", "variant", "ms_per_step", "rounds_ms", "cpu_eager_over_this", "speedup_vs_strict",
-               "peak_tpu_mib_over_resident", "graphs_per_step", "ops_per_graph", "compiled_share", "eager_share"]
+               "speedup_vs_strict_paired", "peak_tpu_mib_over_resident", "graphs_per_step", "ops_per_graph",
+               "compiled_share", "eager_share"]
     table = report.markdown_table(rows, columns)
     starts = [] if args.skip_cold_start else cold_and_warm_start()
     if starts:
