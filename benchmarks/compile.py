@@ -222,7 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     checked = check_targets(rows)
     results = report.markdown_table(rows, columns)
     table = "".join(line + "\n" for line in gains) + ("\n" if gains else "") + results
-    table += "\n\nTargets (tpu compiled):\n\n" + report.markdown_table(checked, ["target", "measured", "paired", "verdict"])
+    table += "\n\nTargets (tpu compiled):\n\n"
+    table += report.markdown_table(checked, ["target", "measured", "paired", "verdict"])
     for line in gains:  # first: what a compiler can win on this machine at all
         print(line)
     print(results)
