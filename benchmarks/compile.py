@@ -41,7 +41,8 @@ Reported first: CPU Inductor's own gain over CPU eager per workload (small on
 this machine, which bounds what a compiler can win here). Then ms/step, the
 ratios to CPU eager, to Strict and to CPU Inductor. Targets, for tpu compiled:
 within 1.1x of CPU Inductor on every workload, >= 1.3x Strict on the small-op
-MLP step, never slower than Strict on the DLRM step.
+MLP step, never slower than Strict on the DLRM step. Last, each workload's GEMM floor
+(``benchmarks.eager_modes.gemm_floors``): Strict's time over it bounds every ratio to Strict.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ import torch
 
 from benchmarks import report
 from benchmarks.eager_modes import WORKLOADS as EAGER_WORKLOADS
-from benchmarks.eager_modes import Workload, exact_fp32, measure, timing_arguments
+from benchmarks.eager_modes import (FLOOR_COLUMNS, FLOOR_HEADING, Workload, exact_fp32, gemm_floors, measure,
+                                     timing_arguments)
 from torch_tpu.inductor import ChoosingRunner
 
 if TYPE_CHECKING:  # the DLRM stack (torchrec) loads only when its workload runs
@@ -213,9 +215,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_flush_denormal(True)
 
     rows = []
-    for name in args.workloads.split(","):
-        warmup = max(args.warmup, DLRM_MIN_WARMUP) if name == "dlrm_train_step" else args.warmup
-        rows += measure(WORKLOADS[name], args.variants.split(","), args.steps, args.rounds, warmup)
+    workloads = [WORKLOADS[name] for name in args.workloads.split(",")]
+    for w in workloads:
+        warmup = max(args.warmup, DLRM_MIN_WARMUP) if w.name == "dlrm_train_step" else args.warmup
+        rows += measure(w, args.variants.split(","), args.steps, args.rounds, warmup)
+    floors = gemm_floors(workloads, rows)
     gains = inductor_gains(rows)
     columns = ["workload", "variant", "ms_per_step", "rounds_ms", "cpu_eager_over_this", "speedup_vs_strict",
                "speedup_vs_strict_paired", "over_cpu_inductor"]
@@ -224,6 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     table = "".join(line + "\n" for line in gains) + ("\n" if gains else "") + results
     table += "\n\nTargets (tpu compiled):\n\n"
     table += report.markdown_table(checked, ["target", "measured", "paired", "verdict"])
+    floor_table = report.markdown_table(floors, FLOOR_COLUMNS)
+    table += f"\n\n{FLOOR_HEADING}\n\n{floor_table}"
     for line in gains:  # first: what a compiler can win on this machine at all
         print(line)
     print(results)
@@ -232,8 +238,9 @@ def main(argv: list[str] | None = None) -> None:
         measured = "-" if c["measured"] is None else f"{c['measured']:.3f}"
         paired = "" if c["paired"] is None else f", paired {c['paired']:.3f}"
         print(f"  {c['target']}: {measured} ({c['column']}{paired}) {c['verdict']}")
+    print(f"\n{FLOOR_HEADING}\n{floor_table}")
     report.write("compile", {"steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
-                             "flush_denormal": True, "rows": rows, "targets": checked}, table)
+                             "flush_denormal": True, "rows": rows, "targets": checked, "gemm_floors": floors}, table)
 
 
 if __name__ == "__main__":

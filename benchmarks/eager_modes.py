@@ -22,7 +22,9 @@ compiled and chosen compiled or op by op). The compiled variants compile the
 model and the optimizer step.
 Reported: ms/step (the best of interleaved rounds' medians), ratio to CPU
 eager and to Strict (also as the median of per-round ratios, ``paired_ratio``),
-peak tpu memory over a step. Then cold vs warm start of the tpu-compiled step in fresh
+peak tpu memory over a step. Then each workload's GEMM floor (benchmarks.roofline): its
+matmul FLOPs at this host's measured fp32 GEMM speed, and Strict's time over it, the most
+any mode could win. Then cold vs warm start of the tpu-compiled step in fresh
 processes (empty caches, then the compile cache filled by the first run).
 """
 
@@ -43,7 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from benchmarks import report
+from benchmarks import report, roofline
 from torch_tpu.defer_segments import Segments
 from torch_tpu.inductor import ChoosingRunner
 from torch_tpu.timed_choice import TimedChoice
@@ -255,6 +257,25 @@ def measure(workload: Workload, variants: list[str], steps: int, rounds: int, wa
     return list(results.values())
 
 
+def gemm_floors(workloads: list[Workload], rows: list[dict]) -> list[dict]:
+    """Per workload, the time its matmul FLOPs take at this host's GEMM peak, beside Strict's
+    ms/step from ``rows`` (benchmarks.roofline): no mode can beat Strict by more than that
+    ratio. FLOPs are counted on a CPU step of the same model, once."""
+    peak = roofline.gemm_peak_gflops()
+    floors = []
+    for w in workloads:
+        step, _ = (w.make_step or make_step)(w, "cpu eager")
+        strict = next((r["ms_per_step"] for r in rows if r["workload"] == w.name and r["variant"] == "tpu strict"),
+                      None)
+        floors.append(roofline.floor_row(w.name, roofline.step_flops(step), peak, strict))
+    return floors
+
+
+FLOOR_COLUMNS = ["workload", "gflop_per_step", "gemm_peak_gflops", "gemm_floor_ms", "strict_ms",
+                 "max_speedup_vs_strict"]
+FLOOR_HEADING = "GEMM floor (matmul FLOPs at this host's fp32 GEMM peak; no mode beats Strict by more):"
+
+
 def timing_arguments(description: str, workloads: list[str], variants: list[str]) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--workloads", default=",".join(workloads))
@@ -279,18 +300,21 @@ def main(argv: list[str] | None = None) -> None:
     exact_fp32()
 
     rows = []
-    for name in args.workloads.split(","):
-        rows += measure(WORKLOADS[name], args.variants.split(","), args.steps, args.rounds, args.warmup)
+    workloads = [WORKLOADS[name] for name in args.workloads.split(",")]
+    for w in workloads:
+        rows += measure(w, args.variants.split(","), args.steps, args.rounds, args.warmup)
+    floors = gemm_floors(workloads, rows)
     columns = ["workload", "variant", "ms_per_step", "rounds_ms", "cpu_eager_over_this", "speedup_vs_strict",
                "speedup_vs_strict_paired", "peak_tpu_mib_over_resident", "graphs_per_step", "ops_per_graph",
                "compiled_share", "eager_share"]
     table = report.markdown_table(rows, columns)
+    table += f"\n\n{FLOOR_HEADING}\n\n" + report.markdown_table(floors, FLOOR_COLUMNS)
     starts = [] if args.skip_cold_start else cold_and_warm_start()
     if starts:
         table += "\n\nCold vs warm start (compiled small-op step, fresh processes):\n\n"
         table += report.markdown_table(starts, ["start", "first_step_s", "graphs_compiled", "local_hits"])
     print(table)
-    report.write("eager_modes", {"steps": args.steps, "rows": rows, "starts": starts}, table)
+    report.write("eager_modes", {"steps": args.steps, "rows": rows, "gemm_floors": floors, "starts": starts}, table)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
 """benchmarks.compile's target verdicts: a ratio to Strict must hold on the best rounds
-and on the paired per-round median (benchmarks.eager_modes.paired_ratio)."""
+and on the paired per-round median (benchmarks.eager_modes.paired_ratio); the GEMM floor
+the benchmarks print beside them (benchmarks.roofline)."""
 
 import pytest
 
+from benchmarks import roofline
 from benchmarks.compile import check_targets
-from benchmarks.eager_modes import paired_ratio
+from benchmarks.eager_modes import WORKLOADS, make_step, paired_ratio
+from benchmarks.roofline import floor_row, step_flops
 
 
 def test_paired_ratio_is_the_median_of_same_round_ratios():
@@ -45,3 +48,27 @@ def test_targets_without_a_paired_figure_are_judged_on_the_best_rounds():
     inductor = verdict(checked, "tpu compiled within 1.1x of CPU Inductor on small_ops_256")
     assert inductor == "MET"
     assert verdict(checked, "tpu compiled never slower than Strict on the DLRM step") == "not measured"
+
+
+def test_step_flops_count_the_small_op_steps_eleven_gemms():
+    # 4 Linear(256) layers at batch 256: 4 GEMMs forward; backward, a weight gradient per
+    # layer and an input gradient for all but the first (its input needs none): 11 in all,
+    # each 256^3 multiply-adds.
+    step, _ = make_step(WORKLOADS["small_ops_256"], "cpu eager")
+    assert step_flops(step) == 11 * 2 * 256**3
+
+
+def test_floor_row_is_flops_at_the_peak_and_strict_over_it():
+    row = floor_row("w", 2 * 10**9, peak_gflops=100.0, strict_ms=30.0)
+    assert row["gflop_per_step"] == pytest.approx(2.0)
+    assert row["gemm_floor_ms"] == pytest.approx(20.0)
+    assert row["max_speedup_vs_strict"] == pytest.approx(1.5)
+    assert "max_speedup_vs_strict" not in floor_row("w", 10**9, 100.0, None)
+
+
+def test_gemm_peak_is_the_fastest_size_and_bounded_by_the_timed_calls(monkeypatch):
+    # With a clock that advances 1 ms per reading, every mm is timed at 1 ms: the peak is
+    # the largest size's 2 n^3 FLOPs in that millisecond.
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(roofline.time, "perf_counter", lambda: next(ticks) * 1e-3)
+    assert roofline.gemm_peak_gflops(sizes=(8, 16), seconds_per_size=0.01) == pytest.approx(2 * 16**3 / 1e-3 / 1e9)
