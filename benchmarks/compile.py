@@ -57,7 +57,7 @@ import torch
 
 from benchmarks import report
 from benchmarks.eager_modes import WORKLOADS as EAGER_WORKLOADS
-from benchmarks.eager_modes import (FLOOR_COLUMNS, FLOOR_HEADING, Workload, exact_fp32, gemm_floors, measure,
+from benchmarks.eager_modes import (Workload, exact_fp32, find, gemm_floor_section, gemm_floors, measure,
                                      timing_arguments)
 from torch_tpu.inductor import ChoosingRunner
 
@@ -154,10 +154,6 @@ VARIANTS = ["cpu eager", "cpu compiled", "tpu strict", "tpu defer_and_fuse", "tp
 # ---------------------------------------------------------------- measuring
 
 
-def find(rows: list[dict], workload: str, variant: str) -> dict | None:
-    return next((r for r in rows if r["workload"] == workload and r["variant"] == variant), None)
-
-
 def inductor_gains(rows: list[dict]) -> list[str]:
     """Per workload: how much CPU Inductor wins over CPU eager (ms ratio, > 1 faster)."""
     lines = []
@@ -228,8 +224,8 @@ def main(argv: list[str] | None = None) -> None:
     table = "".join(line + "\n" for line in gains) + ("\n" if gains else "") + results
     table += "\n\nTargets (tpu compiled):\n\n"
     table += report.markdown_table(checked, ["target", "measured", "paired", "verdict"])
-    floor_table = report.markdown_table(floors, FLOOR_COLUMNS)
-    table += f"\n\n{FLOOR_HEADING}\n\n{floor_table}"
+    floor_section = gemm_floor_section(floors)
+    table += f"\n\n{floor_section}"
     for line in gains:  # first: what a compiler can win on this machine at all
         print(line)
     print(results)
@@ -238,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
         measured = "-" if c["measured"] is None else f"{c['measured']:.3f}"
         paired = "" if c["paired"] is None else f", paired {c['paired']:.3f}"
         print(f"  {c['target']}: {measured} ({c['column']}{paired}) {c['verdict']}")
-    print(f"\n{FLOOR_HEADING}\n{floor_table}")
+    print(f"\n{floor_section}")
     report.write("compile", {"steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
                              "flush_denormal": True, "rows": rows, "targets": checked, "gemm_floors": floors}, table)
 

@@ -257,6 +257,11 @@ def measure(workload: Workload, variants: list[str], steps: int, rounds: int, wa
     return list(results.values())
 
 
+def find(rows: list[dict], workload: str, variant: str) -> dict | None:
+    """The row of ``variant`` on ``workload``, if measured."""
+    return next((r for r in rows if r["workload"] == workload and r["variant"] == variant), None)
+
+
 def gemm_floors(workloads: list[Workload], rows: list[dict]) -> list[dict]:
     """Per workload, the time its matmul FLOPs take at this host's GEMM peak, beside Strict's
     ms/step from ``rows`` (benchmarks.roofline): no mode can beat Strict by more than that
@@ -265,15 +270,17 @@ def gemm_floors(workloads: list[Workload], rows: list[dict]) -> list[dict]:
     floors = []
     for w in workloads:
         step, _ = (w.make_step or make_step)(w, "cpu eager")
-        strict = next((r["ms_per_step"] for r in rows if r["workload"] == w.name and r["variant"] == "tpu strict"),
-                      None)
-        floors.append(roofline.floor_row(w.name, roofline.step_flops(step), peak, strict))
+        strict = find(rows, w.name, "tpu strict")
+        floors.append(roofline.floor_row(w.name, roofline.step_flops(step), peak,
+                                         None if strict is None else strict["ms_per_step"]))
     return floors
 
 
-FLOOR_COLUMNS = ["workload", "gflop_per_step", "gemm_peak_gflops", "gemm_floor_ms", "strict_ms",
-                 "max_speedup_vs_strict"]
-FLOOR_HEADING = "GEMM floor (matmul FLOPs at this host's fp32 GEMM peak; no mode beats Strict by more):"
+def gemm_floor_section(floors: list[dict]) -> str:
+    """The GEMM floors as a headed markdown table."""
+    columns = ["workload", "gflop_per_step", "gemm_peak_gflops", "gemm_floor_ms", "strict_ms", "max_speedup_vs_strict"]
+    return ("GEMM floor (matmul FLOPs at this host's fp32 GEMM peak; no mode beats Strict by more):\n\n"
+            + report.markdown_table(floors, columns))
 
 
 def timing_arguments(description: str, workloads: list[str], variants: list[str]) -> argparse.ArgumentParser:
@@ -308,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
                "speedup_vs_strict_paired", "peak_tpu_mib_over_resident", "graphs_per_step", "ops_per_graph",
                "compiled_share", "eager_share"]
     table = report.markdown_table(rows, columns)
-    table += f"\n\n{FLOOR_HEADING}\n\n" + report.markdown_table(floors, FLOOR_COLUMNS)
+    table += "\n\n" + gemm_floor_section(floors)
     starts = [] if args.skip_cold_start else cold_and_warm_start()
     if starts:
         table += "\n\nCold vs warm start (compiled small-op step, fresh processes):\n\n"
