@@ -101,11 +101,28 @@ class SparseCoreCollection(nn.Module):
             self._steps[stack.name] = torch.zeros(1, dtype=torch.int64)
         self.fused_optimizer = self._make_fused_optimizer()
 
-    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> SparseCoreCollection:
-        """Materializes a module built on the meta device; call reset_parameters() (or load) next."""
-        super().to_empty(device=device, recurse=recurse)
-        self._device = torch.device(device)
-        self._init_optimizer_state()
+    def _apply(self, fn: Callable, recurse: bool = True) -> SparseCoreCollection:
+        """``nn.Module``'s move of the tables, which the optimizer state and the autograd
+        placeholder (plain attributes) follow: ``to(device)`` and ``to_empty(device=...)``
+        reach a module inside a model only through here. A module built on the meta device
+        gets fresh state; call reset_parameters() (or load) next."""
+        super()._apply(fn, recurse)
+        device = next(iter(self._weights.values())).device if len(self._weights) else self._device
+        if device == self._device:
+            return self
+        if self._device.type == "meta":
+            self._device = device
+            self._init_optimizer_state()
+            return self
+        self.wait_for_updates()  # queued on the old device's executor
+        self._device = device
+        for group in self._optimizer_state.values():
+            for key, value in group.items():
+                group[key] = value.to(device)
+        if self._optimizer is not None:
+            self._placeholder = placeholder(device)
+            # Over the moved state; the lr (in the host hyperparameters) and step counts stay.
+            self.fused_optimizer = self._make_fused_optimizer()
         return self
 
     def to_torchrec(self) -> nn.Module:
@@ -429,10 +446,13 @@ def _logical_state_dict(module: SparseCoreCollection, state: dict, prefix: str, 
     return state
 
 
-def _load_logical_state_dict(module: SparseCoreCollection, state: dict, prefix: str, *_args) -> None:
+def _load_logical_state_dict(module: SparseCoreCollection, state: dict, prefix: str, _metadata, _strict,
+                             missing_keys: list[str], *_args) -> None:
     for t in module._configs:
         key = prefix + module._weight_key(t.name)
-        if key in state:
+        if key not in state:
+            missing_keys.append(key)  # TorchRec's key, not the stack's, which is put in below
+        else:
             weight = state.pop(key)
             expected = (t.num_embeddings, t.embedding_dim)
             if tuple(weight.shape) != expected:

@@ -85,7 +85,7 @@ class SparseCoreEmbeddingConfig:
         if self.suggested_coo_buffer_size_per_device is not None:
             positive("suggested_coo_buffer_size_per_device", self.suggested_coo_buffer_size_per_device)
         if not cfg.feature_names:
-            raise ConfigError(name, "feature_names", cfg.feature_names, "at least one feature name")
+            cfg.feature_names = [name]  # as TorchRec's collections do: the table serves its namesake feature
         if cfg.data_type not in TABLE_DTYPES:
             raise ConfigError(name, "data_type", cfg.data_type, f"one of {[d.name for d in TABLE_DTYPES]}")
         if self.is_pooled:

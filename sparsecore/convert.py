@@ -1,8 +1,8 @@
 """Converting between TorchRec's embedding modules and the SparseCore ones.
 
 Both directions keep configs and weights, so outputs are identical. The
-SparseCore-only ``sqrtn`` combiner has no TorchRec equivalent: converting such
-a table to TorchRec is refused.
+SparseCore-only ``sqrtn`` combiner and ``max_seq_len`` truncation have no
+TorchRec equivalent: converting such a table to TorchRec is refused.
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ def to_torchrec(engine: SparseCoreCollection) -> EmbeddingBagCollection | Embedd
     for t in engine._configs:
         if t.combiner == "sqrtn":
             raise ConfigError(t.name, "combiner", "sqrtn", "sum or mean: TorchRec has no sqrtn pooling")
+        if t.max_seq_len is not None:
+            raise ConfigError(t.name, "max_seq_len", t.max_seq_len,
+                              "None: TorchRec's EmbeddingCollection does not truncate sequences")
     configs = [t.config for t in engine._configs]
     if isinstance(engine, SparseCoreEmbeddingBagCollection):
         module = EmbeddingBagCollection(tables=configs)

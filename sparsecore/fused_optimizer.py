@@ -59,8 +59,14 @@ class _ParamGroup(dict):
 
     def __setitem__(self, key, value) -> None:
         super().__setitem__(key, value)
-        if key == "lr":
-            self._lr_tensor[0] = float(value)
+        # Unpickling sets the items before the attributes: the tensor, pickled with
+        # the group, already holds that lr.
+        lr_tensor = self.__dict__.get("_lr_tensor")
+        if key == "lr" and lr_tensor is not None:
+            # Through .data: a lookup saved the tensor for its backward, and a version
+            # bump would fail that backward. The backward reads the lr of its own time,
+            # as a scheduler stepping between forward and backward expects.
+            lr_tensor.data[0] = float(value)
 
 
 class FusedOptimizer(KeyedOptimizer):

@@ -21,12 +21,27 @@ import torch
 from sparsecore.errors import ConfigError
 
 
+def _require(spec: object, field: str, ok: bool, allowed: str) -> None:
+    """Refuses a hyperparameter torch.optim would refuse, naming it, its value and what is allowed."""
+    if not ok:
+        raise ConfigError("*", f"{type(spec).__name__}.{field}", getattr(spec, field), allowed)
+
+
+def _check_lr_eps(spec: object) -> None:
+    _require(spec, "lr", spec.lr >= 0, "a learning rate >= 0")
+    if hasattr(spec, "eps"):
+        _require(spec, "eps", spec.eps >= 0, "an epsilon >= 0")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SGD:
     lr: float = 0.01
     """Learning rate, e.g. ``0.01``."""
 
     kernel_code = 0
+
+    def __post_init__(self) -> None:
+        _check_lr_eps(self)
 
     def state(self, rows: int, dim: int) -> dict[str, tuple[tuple[int, ...], float]]:
         return {}
@@ -45,6 +60,10 @@ class Adagrad:
 
     kernel_code = 1
 
+    def __post_init__(self) -> None:
+        _check_lr_eps(self)
+        _require(self, "initial_accumulator_value", self.initial_accumulator_value >= 0, "a value >= 0")
+
     def state(self, rows: int, dim: int) -> dict[str, tuple[tuple[int, ...], float]]:
         return {"sum": ((rows, dim), self.initial_accumulator_value)}
 
@@ -60,6 +79,9 @@ class RowWiseAdagrad:
     eps: float = 1e-8
 
     kernel_code = 2
+
+    def __post_init__(self) -> None:
+        _check_lr_eps(self)
 
     def state(self, rows: int, dim: int) -> dict[str, tuple[tuple[int, ...], float]]:
         return {"momentum": ((rows,), 0.0)}
@@ -77,6 +99,11 @@ class Adam:
     eps: float = 1e-8
 
     kernel_code = 3
+
+    def __post_init__(self) -> None:
+        _check_lr_eps(self)
+        _require(self, "betas", len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
+                 "two values in [0, 1)")
 
     def state(self, rows: int, dim: int) -> dict[str, tuple[tuple[int, ...], float]]:
         return {"exp_avg": ((rows, dim), 0.0), "exp_avg_sq": ((rows, dim), 0.0)}
@@ -104,6 +131,9 @@ class FTRL:
     kernel_code = 4
 
     def __post_init__(self) -> None:
+        _require(self, "lr", self.lr > 0, "a learning rate > 0 (FTRL divides by it)")
+        _require(self, "l1_regularization_strength", self.l1_regularization_strength >= 0, "a value >= 0")
+        _require(self, "l2_regularization_strength", self.l2_regularization_strength >= 0, "a value >= 0")
         if self.learning_rate_power > 0:
             raise ConfigError("*", "FTRL.learning_rate_power", self.learning_rate_power, "a value <= 0")
         if self.initial_accumulator_value <= 0:

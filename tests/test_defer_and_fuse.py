@@ -1076,3 +1076,95 @@ def test_leaving_the_mode_mid_segment_leaves_nothing_running_or_timed(monkeypatc
         torch.tanh(x @ w)
         assert segments.eager is not None and segments.pos > 0 and segments._timed is not None
     assert segments.eager is None and segments._timed is None and segments._start is None
+
+
+# ---- cases an audit found giving other results than Strict ----
+
+
+def strict_and_deferred(fn):
+    """fn() in Strict and under DeferAndFuse, its results brought to the cpu."""
+    strict = fn()
+    with deferring():
+        deferred = fn()
+        deferred = [t.cpu() for t in deferred]
+    return [t.cpu() for t in strict], deferred
+
+
+def test_equal_scalars_of_other_types_are_other_graphs():
+    # 2 == 2.0 == True in Python, -0.0 == 0.0; the results' dtypes and values differ.
+    def fn():
+        x = torch.arange(3, device="tpu")
+        f = torch.ones(3, device="tpu")
+        return [x * 2, x * 2.0, x * True, f * 0.0, f * -0.0, x.float().pow(2), x.float().pow(2.0)]
+
+    strict, deferred = strict_and_deferred(fn)
+    for s, d in zip(strict, deferred):
+        assert s.dtype == d.dtype and torch.equal(s, d)
+        assert torch.equal(torch.signbit(s), torch.signbit(d))
+
+
+def test_cpu_scalar_tensors_are_read_at_their_use():
+    def fn():
+        ones = torch.ones(3, device="tpu")
+        outs = [ones.mul(torch.tensor(v)) for v in (2.0, 3.0, 4.0)]  # temporaries: their addresses recur
+        s = torch.tensor(1.0)
+        before = ones + s
+        s += 1
+        return outs + [before, ones + s]
+
+    strict, deferred = strict_and_deferred(fn)
+    assert [t.tolist() for t in deferred] == [t.tolist() for t in strict]
+    assert [t[0].item() for t in deferred] == [2.0, 3.0, 4.0, 2.0, 3.0]
+
+
+def test_in_place_view_ops_change_the_geometry_at_once():
+    with deferring():
+        z = torch.ones(2, 3, device="tpu") * 2
+        z.unsqueeze_(0)
+        assert z.shape == (1, 2, 3)
+        z.squeeze_(0)
+        z.t_()
+        assert z.shape == (3, 2)
+        assert torch.equal(z.cpu(), torch.full((3, 2), 2.0))
+
+
+def test_in_place_ops_whose_result_does_not_fit_raise_as_in_strict():
+    for make in (lambda: torch.arange(4, device="tpu"), lambda: torch.arange(4, device="tpu") + 0):
+        with deferring():
+            r = make()  # a real tensor, then a pending one
+            with pytest.raises(RuntimeError, match="result type Float can't be cast to the desired output type Long"):
+                r.add_(1.5)
+            with pytest.raises(RuntimeError, match=r"doesn't match the broadcast shape \[3, 4\]"):
+                r.add_(torch.ones(3, 4, device="tpu", dtype=torch.long))
+            assert r.cpu().tolist() == [0, 1, 2, 3]
+
+
+def test_a_failing_op_spares_the_pending_tensors_that_do_not_depend_on_it():
+    with deferring():
+        x = torch.arange(8.0, device="tpu").view(4, 2)
+        h = x * 2
+        g = x.index_select(0, torch.tensor([9], device="tpu"))  # out of range: raises when the graph runs
+        with pytest.raises(IndexError):
+            (h.sum() + g.sum()).item()
+        assert h.cpu().tolist() == (torch.arange(8.0).view(4, 2) * 2).tolist()
+        assert (x * 3).cpu()[3].tolist() == [18.0, 21.0]  # and recording goes on
+
+
+def test_an_in_place_matmul_into_a_real_tensor_keeps_mxu_precision_when_compiles_are_on(monkeypatch):
+    monkeypatch.setenv(COMPILE, "sync")
+    g = torch.Generator().manual_seed(0)
+    a, v, c0 = (torch.randn(*s, generator=g).to("tpu") for s in ((64, 64), (64,), (64,)))
+
+    def steps():
+        c = c0.clone()
+        for _ in range(8):  # past the run that compiles the graph
+            c.addmv_(a, v)
+            c.mul_(0.5)
+            torch.tpu.synchronize()
+        return c.cpu()
+
+    with torch.tpu.precision("medium"):
+        strict = steps()
+        with deferring():
+            deferred = steps()
+    assert torch.equal(deferred, strict)

@@ -209,3 +209,15 @@ def test_leaving_debug_under_a_later_dispatch_mode_is_refused():
             torch_tpu.set_eager_mode("strict")
     torch_tpu.set_eager_mode("strict")
     assert torch_tpu.get_eager_mode() is EagerMode.STRICT
+
+
+def test_debug_checks_complex_outputs_and_tensors_made_on_the_tpu_from_nothing():
+    torch_tpu.set_eager_mode("debug")
+    with pytest.raises(FloatingPointError, match="aten.div.Tensor: output 0 holds Inf"):
+        torch.tensor([1 + 1j], device="tpu") / 0
+    with pytest.raises(FloatingPointError, match="aten.full.default: output 0 holds NaN"):
+        torch.full((2, 2), float("nan"), device="tpu")
+    with pytest.raises(FloatingPointError, match="output 0 holds Inf"):
+        torch.tensor([float("inf")]).to("tpu")
+    torch.full((2,), float("nan"))  # cpu: not checked
+    torch_tpu.set_eager_mode("strict")

@@ -149,7 +149,8 @@ def _on_tpu(values: list) -> bool:
 
 def _check_finite(op: Any, outputs: list) -> None:
     for i, out in enumerate(outputs):
-        if not (isinstance(out, torch.Tensor) and out.device.type == "tpu" and out.is_floating_point()):
+        if not (isinstance(out, torch.Tensor) and out.device.type == "tpu"
+                and (out.is_floating_point() or out.is_complex())):
             continue
         if out.numel() == 0 or bool(torch.isfinite(out).all()):
             continue
@@ -166,12 +167,13 @@ class DebugChecks(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         flat, _ = tree_flatten((args, kwargs))
-        if not _on_tpu(flat):
-            return func(*args, **kwargs)
-        checker = _checkers.get(func) or _checkers.get(func.overloadpacket)
-        if checker is not None:
-            checker(func, args, kwargs)
+        if _on_tpu(flat):
+            checker = _checkers.get(func) or _checkers.get(func.overloadpacket)
+            if checker is not None:
+                checker(func, args, kwargs)
         out = func(*args, **kwargs)
+        # Outputs are checked whatever the inputs: torch.full(..., device="tpu") and a
+        # copy to the tpu make tpu tensors from none (_check_finite looks at tpu outputs only).
         if _nan_check != "off" and func.overloadpacket not in _UNINITIALIZED:  # (this mode is off while it runs: the check's own ops are not checked)
             _check_finite(func, tree_flatten(out)[0])
         return out

@@ -88,6 +88,20 @@ _Ref = tuple  # ("i", k): graph input k; ("v", n, j): output j of node n
 _untyped_storage = torch._C.TensorBase.untyped_storage
 
 
+def _scalar_key(x: Any) -> Any:
+    """A non-tensor argument as a key part: Python takes 2 == 2.0 == True and 0.0 == -0.0,
+    but they give different result dtypes or values, so floats, complexes and bools are
+    keyed with their type (floats by their exact bits)."""
+    t = type(x)
+    if t is float:
+        return (float, x.hex())
+    if t is bool:
+        return (bool, x)
+    if t is complex:
+        return (complex, x.real.hex(), x.imag.hex())
+    return x
+
+
 def _storage_id(t: torch.Tensor) -> int:
     return _untyped_storage(t)._cdata
 
@@ -214,15 +228,17 @@ _op_infos: dict[Any, _OpInfo] = {}
 def _op_info(func) -> _OpInfo:
     info = _op_infos.get(func)
     if info is None:
+        mutated = _mutated_args(func)
+        functional = _functional_of(func) if mutated else None
         recordable = (func not in NEVER_RECORDED and is_graph_op(func)
                       and torch.Tag.nondeterministic_seeded not in func.tags
-                      and torch.Tag.dynamic_output_shape not in func.tags)
-        mutated = _mutated_args(func)
+                      and torch.Tag.dynamic_output_shape not in func.tags
+                      # unsqueeze_, t_, as_strided_...: they change the tensor's geometry, not its values
+                      and not (functional is not None and functional.is_view))
         returns = func._schema.returns
         kind = ("none" if not returns else "tuple" if len(returns) > 1 else
                 "list" if isinstance(returns[0].type, torch.ListType) else "one")
-        info = _op_infos[func] = _OpInfo(recordable, mutated, _functional_of(func) if mutated else None,
-                                         func.is_view, kind)
+        info = _op_infos[func] = _OpInfo(recordable, mutated, functional, func.is_view, kind)
     return info
 
 
@@ -436,7 +452,9 @@ class _Engine:
         op = func if in_place else functional
         refs_args, refs_kwargs, sig, shapes = self._refs(op, args, kwargs)
         out_metas = self._out_metas(functional, args, kwargs, shapes)
-        if len(out_metas) != len(targets):
+        if len(out_metas) != len(targets) or any(
+                m is None or m[0] != tuple(t.shape) or m[3] != t.dtype for m, t in zip(out_metas, targets)):
+            # A result of another shape or dtype: run eagerly, which casts or raises as Strict does.
             raise _NotRecordable
         node = self._add_node(op, refs_args, refs_kwargs, out_metas, sig)
         if in_place:
@@ -510,8 +528,9 @@ class _Engine:
                 sig_append((r, meta))
                 shapes_append(meta)
                 return Arg(r)
-            sig_append(x)
-            shapes_append(x)
+            key = _scalar_key(x)
+            sig_append(key)
+            shapes_append(key)
             return x
 
         def conv(x):  # aten nests at most a list inside the arguments
@@ -553,12 +572,15 @@ class _Engine:
         if not on_tpu and t.dim() != 0:
             raise _NotRecordable(True)  # cpu operands other than scalars: a transfer to the device
         k = len(g.inputs)
-        # A cpu scalar may change before the graph runs (a step count): keep its value now.
-        g.inputs.append(t if on_tpu else t.clone())
-        g.input_index[t._cdata] = k
-        g.input_metas.append(meta)
         if on_tpu:
+            g.inputs.append(t)  # held: its address stays its own while the graph is pending
+            g.input_index[t._cdata] = k
             g.input_storages.add(storage)
+        else:
+            # A cpu scalar may change before the graph runs (a step count), or be freed and
+            # its address taken by another: its value now, an input of its own at each read.
+            g.inputs.append(t.clone())
+        g.input_metas.append(meta)
         return ("i", k), meta
 
     def _add_as_strided(self, source: _Ref, meta: tuple) -> int:
@@ -688,7 +710,11 @@ class _Engine:
             self.stats.graphs += 1
             self.stats.materialized_by[reason] += 1
             with _no_dispatch_modes(), torch.no_grad():
-                values, compiled, settled, first_run = self.graphs.run(g, outputs)
+                try:
+                    values, compiled, settled, first_run = self.graphs.run(g, outputs)
+                except Exception:
+                    self._salvage(g, targets, outputs)
+                    raise
                 if compiled:
                     self.stats.compiled_runs += 1
                 else:
@@ -699,6 +725,21 @@ class _Engine:
                     del value
                 del values
             self.segments.materialized(settled, reason, at_host_boundary, new_graph=first_run)
+
+    def _salvage(self, g: _Graph, targets: list[_Bound], outputs: list[_Ref]) -> None:
+        """A recorded op failed as the graph ran (an index out of range, say: Strict would
+        have raised at the op): the pending tensors that do not depend on it still get their
+        values, as they would have in Strict. Only a graph without in-place nodes is run
+        again for them: its first run wrote nothing."""
+        self.segments.interrupted()  # no segment's timing or plan spans a failed graph
+        self.repeats.forget()
+        if g.in_place:
+            return
+        errors: list[BaseException] = []
+        values = deferred_graph.replay(g, outputs, errors=errors)
+        for b, value in zip(targets, values):
+            if value is not None and (b.kind == "write" or _ops._fill_deferred(b.tensor, value)):
+                _copy_unversioned(b.tensor, value)
 
     def host_boundary(self, reason: str, may_sleep: bool | None) -> bool:
         """A host boundary on the recording thread: counted, the pending graph run,

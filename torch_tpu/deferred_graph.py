@@ -113,20 +113,37 @@ class Liveness:
         return cls(node_refs, last_use)
 
 
-def replay(graph: Any, outputs: list[tuple], liveness: Liveness | None = None) -> list[torch.Tensor]:
-    """The graph's ops run one by one on tpu; values freed after their last use."""
+def replay(graph: Any, outputs: list[tuple], liveness: Liveness | None = None,
+           errors: list[BaseException] | None = None) -> list[torch.Tensor | None]:
+    """The graph's ops run one by one on tpu; values freed after their last use.
+
+    ``errors`` (a list): an op that raises does not stop the run; its error is appended,
+    and the values it and the ops reading it would make are None, the others computed."""
     liveness = liveness or Liveness.of(graph)
     node_refs, last_use = liveness.node_refs, liveness.last_use
     keep = set(outputs)
     env: dict[tuple, torch.Tensor] = {}
     inputs = graph.inputs
+    lost: set[int] = set()  # nodes that raised or read a value of one that did
 
     def value(r: tuple) -> torch.Tensor:
         return inputs[r[1]] if r[0] == "i" else env[r]
 
     for n, (func, args, kwargs) in enumerate(graph.nodes):
-        resolved = [_resolve(a, value) for a in args]
-        out = func(*resolved, **{k: _resolve(v, value) for k, v in kwargs.items()})
+        if errors is not None:
+            if any(r[0] == "v" and r[1] in lost for r in node_refs[n]):
+                lost.add(n)
+                continue
+            try:
+                resolved = [_resolve(a, value) for a in args]
+                out = func(*resolved, **{k: _resolve(v, value) for k, v in kwargs.items()})
+            except Exception as error:  # noqa: BLE001 - kept for the caller to raise
+                errors.append(error)
+                lost.add(n)
+                continue
+        else:
+            resolved = [_resolve(a, value) for a in args]
+            out = func(*resolved, **{k: _resolve(v, value) for k, v in kwargs.items()})
         if n in graph.in_place:  # its outputs are the tensors it wrote
             out = resolved[0]
         outs = out if isinstance(out, (list, tuple)) else (out,)
@@ -138,7 +155,7 @@ def replay(graph: Any, outputs: list[tuple], liveness: Liveness | None = None) -
         for r in node_refs[n]:
             if r[0] == "v" and last_use[r] == n and r not in keep:
                 env.pop(r, None)
-    return [value(r) for r in outputs]
+    return [None if r[0] == "v" and r[1] in lost else value(r) for r in outputs]
 
 
 def to_fx(graph: Any, outputs: list[tuple]) -> torch.fx.GraphModule:

@@ -65,7 +65,9 @@ _MXU_TARGETS = frozenset(op.default for op in MXU_OPS.values())
 # Matmul-family ops the tpu runs at MXU precision with no compiled counterpart
 # here: a graph holding one (at fp32) runs op by op rather than exactly.
 UNMAPPED_MXU_OPS = frozenset(
-    [aten.mv, aten.dot, aten.addmv, aten.addbmm, aten._addmm_activation, aten.matmul, aten.linear]
+    [aten.mv, aten.dot, aten.addmv, aten.addbmm, aten._addmm_activation, aten.matmul, aten.linear,
+     # In place into a real tensor, DeferAndFuse records these as they are (its in-place nodes).
+     aten.addmm_, aten.baddbmm_, aten.addbmm_, aten.addmv_]
 )
 
 

@@ -38,6 +38,14 @@ def test_frozen_and_isolated_from_the_original():
     assert dataclasses.replace(cfg, max_ids_per_partition=512).max_ids_per_partition == 512
 
 
+def test_a_table_without_feature_names_serves_its_namesake_as_in_torchrec():
+    from torchrec import EmbeddingBagCollection
+
+    reference = EmbeddingBagCollection(tables=[bag(feature_names=[])])
+    assert SparseCoreEmbeddingConfig(config=bag(feature_names=[])).feature_names == ["t"]
+    assert reference.embedding_bag_configs()[0].feature_names == ["t"]
+
+
 def test_plain_torchrec_configs_get_defaults():
     cfg = as_sparsecore_config(bag())
     assert cfg.max_ids_per_partition == 256 and cfg.max_unique_ids_per_partition == 256
@@ -52,7 +60,6 @@ def test_plain_torchrec_configs_get_defaults():
         (dict(config=bag(), max_ids_per_partition=0), "max_ids_per_partition", "a positive integer"),
         (dict(config=bag(), max_ids_per_partition=8, max_unique_ids_per_partition=16), "max_unique_ids_per_partition", "at most max_ids_per_partition (8)"),
         (dict(config=bag(), suggested_coo_buffer_size_per_device=-4), "suggested_coo_buffer_size_per_device", "a positive integer"),
-        (dict(config=bag(feature_names=[])), "feature_names", "at least one feature name"),
         (dict(config=bag(data_type=DataType.INT8)), "data_type", "one of ['FP32', 'FP16', 'BF16']"),
         (dict(config=bag(), combiner="max"), "combiner", 'None or "sqrtn"'),
         (dict(config=bag(), max_seq_len=4), "max_seq_len", "None for a pooled"),

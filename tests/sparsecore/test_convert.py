@@ -61,3 +61,66 @@ def test_meta_construction_then_materialization():
     kjt = random_kjt(TABLES, batch=4)
     torch.testing.assert_close(meta(kjt).values().detach().cpu(), reference(kjt).values().detach())
     meta(kjt).values().sum().backward()  # trains after materialization
+
+
+def test_max_seq_len_is_refused_by_to_torchrec():
+    from sparsecore import SparseCoreEmbeddingConfig
+    from sparsecore.modules import SparseCoreEmbeddingCollection
+
+    table = EmbeddingConfig(name="s", num_embeddings=10, embedding_dim=4, feature_names=["q"])
+    engine = SparseCoreEmbeddingCollection([SparseCoreEmbeddingConfig(config=table, max_seq_len=1)], device="cpu")
+    with pytest.raises(ConfigError, match="max_seq_len=1 is invalid; expected None: TorchRec's EmbeddingCollection"):
+        to_torchrec(engine)
+
+
+@pytest.mark.parametrize("move", ["to_empty", "to"])
+def test_materializing_or_moving_the_enclosing_model_moves_the_optimizer_state(move):
+    # nn.Module.to_empty / .to on a parent reach the engine only through _apply.
+    reference = EmbeddingBagCollection(tables=TABLES)
+    # Adagrad: its dense form leaves untouched rows as the fused one does (dense Adam would not).
+    engine = SparseCoreEmbeddingBagCollection(TABLES, optim.Adagrad(lr=0.01), device="meta" if move == "to_empty" else "cpu")
+    model = torch.nn.ModuleDict({"ebc": engine})
+    if move == "to_empty":
+        model.to_empty(device="tpu")
+        engine.load_state_dict(reference.state_dict())
+    else:
+        engine.load_state_dict(reference.state_dict())
+        engine.fused_optimizer.param_groups[0]["lr"] = 0.02
+        engine(random_kjt(TABLES, batch=4, seed=3)).values().sum().backward()  # a step on cpu first
+        reference_optimizer = torch.optim.Adagrad(reference.parameters(), lr=0.02)
+        reference(random_kjt(TABLES, batch=4, seed=3)).values().sum().backward()
+        reference_optimizer.step()
+        model.to("tpu")
+    assert all(t.device.type == "tpu" for group in engine._optimizer_state.values() for t in group.values())
+    kjt = random_kjt(TABLES, batch=4, seed=4)
+    out = engine(kjt).values()  # the training forward (the path that reads the placeholder)
+    torch.testing.assert_close(out.detach().cpu(), reference(kjt).values().detach())
+    out.sum().backward()
+    if move == "to":  # the accumulators and the lr came along: a second step matches
+        reference_optimizer.zero_grad()
+        reference(kjt).values().sum().backward()
+        reference_optimizer.step()
+        for key, expected in reference.state_dict().items():
+            torch.testing.assert_close(engine.state_dict()[key].cpu(), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_strict_load_reports_a_missing_table_with_torchrec_s_key():
+    engine = SparseCoreEmbeddingBagCollection(TABLES, device="cpu")
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "embedding_bags\.'):
+        engine.load_state_dict({}, strict=True)
+    result = engine.load_state_dict({}, strict=False)
+    assert sorted(result.missing_keys) == sorted(EmbeddingBagCollection(tables=TABLES).state_dict())
+
+
+def test_the_whole_module_pickles_with_its_learning_rate():
+    import io
+
+    engine = SparseCoreEmbeddingBagCollection(TABLES, optim.SGD(lr=0.1), device="cpu")
+    engine.fused_optimizer.param_groups[0]["lr"] = 0.3
+    buffer = io.BytesIO()
+    torch.save(engine, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.fused_optimizer.param_groups[0]["lr"] == 0.3 and float(loaded._hyper[0]) == 0.3
+    kjt = random_kjt(TABLES, batch=4, seed=1)
+    torch.testing.assert_close(loaded(kjt).values(), engine(kjt).values())

@@ -236,3 +236,37 @@ def test_rowwise_adagrad_matches_fbgemm_tbe():
         out.backward(targets(6, 8, step))
     torch.testing.assert_close(engine.state_dict()["embedding_bags.a.weight"].cpu(),
                                tbe.split_embedding_weights()[0].detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_an_lr_change_between_forward_and_backward_reaches_that_backward():
+    # Bags of 3.5 ids on average take the fused_lookup path, which saves the hyperparameters
+    # for its backward (bags of 1-2 ids are looked up while preprocessing).
+    kjt = random_kjt(TABLES, 6, seed=5, max_len=8)
+    reference = EmbeddingBagCollection(tables=TABLES)
+    engine = SparseCoreEmbeddingBagCollection(TABLES, optim.SGD(lr=0.1), device="tpu")
+    engine.load_state_dict(reference.state_dict())
+    out = engine(kjt).values()
+    engine.fused_optimizer.param_groups[0]["lr"] = 0.05  # what a scheduler's step does
+    out.sum().backward()
+    train = torch.optim.SGD(reference.parameters(), lr=0.05)
+    reference(kjt).values().sum().backward()
+    train.step()
+    assert_tables_equal(engine, reference, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: optim.SGD(lr=-0.1), "SGD.lr=-0.1 is invalid; expected a learning rate >= 0"),
+        (lambda: optim.Adagrad(eps=-1.0), "Adagrad.eps=-1.0"),
+        (lambda: optim.Adagrad(initial_accumulator_value=-1.0), "Adagrad.initial_accumulator_value"),
+        (lambda: optim.RowWiseAdagrad(lr=-1.0), "RowWiseAdagrad.lr"),
+        (lambda: optim.Adam(betas=(1.5, 0.999)), r"Adam.betas=\(1.5, 0.999\) is invalid; expected two values in \[0, 1\)"),
+        (lambda: optim.FTRL(lr=0.0), "FTRL.lr=0.0 is invalid; expected a learning rate > 0"),
+        (lambda: optim.FTRL(l1_regularization_strength=-1.0), "FTRL.l1_regularization_strength"),
+        (lambda: optim.from_torch_optim((torch.optim.Adam, {"lr": -1.0})), "Adam.lr=-1.0"),
+    ],
+)
+def test_hyperparameters_torch_optim_refuses_are_refused(make, message):
+    with pytest.raises(ConfigError, match=message):
+        make()
