@@ -425,3 +425,28 @@ def test_shape_specializations_are_bounded(monkeypatch):
             x = torch.randn(batch, 8, device="tpu")
             torch.testing.assert_close(compiled(x).cpu(), model(x).cpu(), rtol=1e-5, atol=1e-6)
     assert specializations and max(len(s.compiled) for s in specializations) == 3
+
+
+def test_compiled_dropout_repeats_its_mask_under_a_seed():
+    # A graph drawing random numbers is not alternated between compiled and op by op
+    # (two random streams) while the runner times them.
+    model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5)).to("tpu")
+    compiled = torch.compile(model, backend="tpu")
+    x = torch.ones(4, 16, device="tpu")
+    masks = []
+    for _ in range(10):
+        torch.tpu.manual_seed(0)
+        masks.append((compiled(x) == 0).cpu())
+    assert all(torch.equal(masks[0], m) for m in masks)
+    assert 0 < int(masks[0].sum()) < masks[0].numel()
+
+
+def test_graphs_with_value_dependent_sizes_run_op_by_op():
+    import torch._dynamo
+
+    y = torch.tensor([1.0, -2.0, 3.0], device="tpu")
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True):
+        masked = torch.compile(lambda x: (x[x > 0] * 2).sum(), backend="tpu", fullgraph=True)
+        counted = torch.compile(lambda x: torch.ones(int((x > 0).sum().item()), device="tpu").sum(), backend="tpu")
+        assert masked(y).item() == 8.0
+        assert counted(y).item() == 2.0

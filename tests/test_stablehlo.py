@@ -179,7 +179,7 @@ def test_unsupported_ops_are_listed():
 
     with pytest.raises(UnsupportedOpsError) as error:
         export_program(fn, (randn(3, 3),))
-    assert error.value.ops == {"aten::cumsum": 2, "aten::sort": 1}
+    assert error.value.ops == {"aten::cumsum.default": 2, "aten::sort.default": 1}
     assert "cumsum" in str(error.value) and "sort" in str(error.value)
 
 
@@ -236,3 +236,33 @@ def test_the_dlrm_dcn_graph_without_the_lookup_runs_on_xla_as_in_eager():
     parse(program.text)
     (actual,) = run_on_xla(program.text, program.arguments(dense, embedded))
     torch.testing.assert_close(actual, expected.cpu(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fn, op", [
+    (lambda x: x.view(torch.int32) + 1, "aten::view.dtype"),  # a bitcast: the reshape's lowering would convert
+    (lambda x: torch.div(x, 3, rounding_mode="trunc"), "aten::div.Tensor_mode"),
+    (lambda x: x.round(decimals=1), "aten::round.decimals"),
+    (lambda x: torch.max(x, 1).values, "aten::max.dim"),
+])
+def test_an_overload_without_a_lowering_is_listed_not_lowered_as_another(fn, op):
+    with pytest.raises(UnsupportedOpsError) as error:
+        export_program(fn, (randn(2, 3),))
+    assert op in error.value.ops
+
+
+def test_mutated_state_and_inputs_are_named_among_the_results():
+    class Counting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("count", torch.zeros(()))
+
+        def forward(self, x):
+            self.count.add_(1)
+            x.add_(1)
+            return x * 2, x.sum()
+
+    program = export_program(Counting(), (randn(3),))
+    assert sorted(program.result_names) == ["buffer_mutation count", "output 0", "output 1", "user_input_mutation x"]
+    assert program.text.count("tensor<") >= 4
+    plain = export_program(nn.Linear(3, 2), (randn(4, 3),))
+    assert plain.result_names == ("output 0",)

@@ -44,6 +44,7 @@ import torch.fx
 from torch_tpu import direct_run
 from torch_tpu.compile_cache import compile_cache, graph_key
 from torch_tpu.graph_ops import is_graph_op
+from torch_tpu.host_norms import norms_at_fp32
 from torch_tpu.scalar_hoisting import hoist_scalar_math
 from torch_tpu.timed_choice import TimedChoice
 
@@ -115,8 +116,9 @@ def _compilable(node: torch.fx.Node) -> bool:
 
 def host_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of an ATen graph for the CPU compiler: tpu devices become cpu,
-    matmul-family nodes their MXU ops, and 0-d math that large kernels read is
-    computed once per call (``torch_tpu.scalar_hoisting``). Raises
+    matmul-family nodes their MXU ops, reduced-precision normalizations keep the
+    tpu's fp32 statistics (``torch_tpu.host_norms``), and 0-d math that large
+    kernels read is computed once per call (``torch_tpu.scalar_hoisting``). Raises
     NotCompilable for an fp32 matmul-family op without an MXU op."""
     host = copy.deepcopy(gm)
     for node in host.graph.nodes:
@@ -131,6 +133,7 @@ def host_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         elif packet in UNMAPPED_MXU_OPS and _is_fp32_mxu(node):
             raise NotCompilable(f"{node.target} at fp32 has no MXU-precision op in compiled graphs")
     unfuse_bias_adds(host)
+    norms_at_fp32(host)
     host.recompile()
     hoist_scalar_math(host)
     return host
@@ -333,6 +336,11 @@ def compile_graph(
     tpu semantics or (``choose``) runs slower compiled - op by op on tpu.
     ``tpu_outputs`` says which outputs are tpu tensors (default: from the
     graph's node values)."""
+    if _has_unbacked_sizes(gm):
+        # Sizes known only from values (Dynamo's capture_dynamic_output_shape_ops /
+        # capture_scalar_outputs): the host copy's compile cannot rebind them.
+        logger.info("graph runs op by op: sizes that depend on tensor values")
+        return gm
     # Inductor's wrapper would assert every input's sizes and strides with a Python call
     # each: 140 calls a step on a small-op training step's three graphs, 2% of its time.
     layouts = input_layouts(example_inputs)
@@ -345,7 +353,20 @@ def compile_graph(
         return gm if split is None else split
     outputs = _output_devices(gm) if tpu_outputs is None else list(tpu_outputs)
     runner = HostRunner(compiled, _tpu_device(example_inputs), outputs, layouts)
-    return ChoosingRunner(runner, gm) if choose else runner
+    # A graph drawing random numbers stays with one variant: compiled and op by op draw
+    # different streams, and alternating them would break a seed's reproducibility.
+    return ChoosingRunner(runner, gm) if choose and not _draws_random_numbers(gm) else runner
+
+
+def _draws_random_numbers(gm: torch.fx.GraphModule) -> bool:
+    return any(isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags
+               for n in gm.graph.nodes if n.op == "call_function")
+
+
+def _has_unbacked_sizes(gm: torch.fx.GraphModule) -> bool:
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    return any(free_unbacked_symbols(n.meta["val"]) for n in gm.graph.nodes if "val" in n.meta)
 
 
 MIN_COMPILED_SEGMENT = 2  # ops: a lone op gains nothing from compiling

@@ -4,8 +4,10 @@ The forward is captured by ``torch.export`` (for inference: under no_grad)
 and decomposed to core ATen; every node is then lowered through the registry
 into one ``func.func @main``. Its arguments are the program's state
 (parameters, buffers, lifted constants: names as in ``state_dict``) followed
-by the tensors of the example inputs in pytree order; its results are the
-forward's tensor outputs. Matmuls and convolutions carry the precision of
+by the tensors of the example inputs in pytree order; its results are the new
+values of the buffers and inputs the forward mutates in place (a BatchNorm's
+running statistics in training mode, say), then the forward's tensor outputs
+(``StableHLOProgram.result_names`` says which is which). Matmuls and convolutions carry the precision of
 ``torch.tpu``'s float32 matmul precision at export time.
 """
 
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind, TensorArgument
+from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 from torch.utils import _pytree as pytree
 
 from torch_tpu.precision import get_float32_matmul_precision
@@ -44,6 +46,10 @@ class StableHLOProgram:
     pytree path (``"[1].stacks['t0'].gains"``)."""
     state: dict[str, torch.Tensor]
     """The parameters, buffers and constants among the arguments."""
+    result_names: tuple[str, ...] = ()
+    """One per function result: ``"output 0"``... for the forward's tensor outputs, in pytree
+    order; ``"buffer_mutation bn.running_mean"`` or ``"user_input_mutation x"`` for a mutated
+    buffer's or input's new value (torch.export's output kinds)."""
 
     def __str__(self) -> str:
         return self.text
@@ -112,18 +118,34 @@ def lower(program: ExportedProgram, args: tuple, kwargs: dict, name: str = "main
     env, arguments = _arguments(program, args, kwargs)
     builder, precision = Builder(), get_float32_matmul_precision()
     results: list[Value] = []
+    result_names: tuple[str, ...] = ()
     for node in graph.nodes:
         if node.op == "call_function":
             env[node] = _lower_node(builder, node, env, precision)
         elif node.op == "output":
-            results = [env[n] for n in pytree.tree_leaves(node.args[0]) if isinstance(n, torch.fx.Node)]
+            leaves = pytree.tree_leaves(node.args[0])
+            results = [env[n] for n in leaves if isinstance(n, torch.fx.Node)]
+            result_names = _result_names(program, leaves)
     signature = ", ".join(f"{value.name}: {value.type}" for value in arguments.values())
     result_types = ", ".join(str(r.type) for r in results)
     text = (f"module @\"{name}\" {{\n  func.func public @main({signature}) -> ({result_types}) {{\n"
             + "\n".join(builder.lines)
             + f"\n    return {', '.join(r.name for r in results)} : {result_types}\n  }}\n}}\n")
     state = {**program.state_dict, **program.constants}
-    return StableHLOProgram(text, tuple(arguments), {k: v for k, v in state.items() if k in arguments})
+    return StableHLOProgram(text, tuple(arguments), {k: v for k, v in state.items() if k in arguments}, result_names)
+
+
+def _result_names(program: ExportedProgram, leaves: list) -> tuple[str, ...]:
+    """The names of the output node's tensor leaves (see StableHLOProgram.result_names)."""
+    names, outputs = [], 0
+    for leaf, spec in zip(leaves, program.graph_signature.output_specs, strict=True):
+        if spec.kind == OutputKind.USER_OUTPUT:
+            if isinstance(leaf, torch.fx.Node):
+                names.append(f"output {outputs}")
+            outputs += 1
+        elif isinstance(leaf, torch.fx.Node):
+            names.append(f"{spec.kind.name.lower()} {spec.target}")
+    return tuple(names)
 
 
 def _arguments(program: ExportedProgram, args: tuple, kwargs: dict) -> tuple[dict, dict[str, Value]]:

@@ -30,9 +30,11 @@ class UnsupportedOpsError(NotImplementedError):
 
 
 def op_name(target: Any) -> str:
-    """``aten::add.Tensor`` for an OpOverload, ``aten::add`` for a packet, else the callable's name."""
+    """``aten::add.Tensor`` for an OpOverload (``aten::view.default``: OpOverload.name() leaves
+    ``.default`` out, which would make a default's lowering every overload's), ``aten::add``
+    for a packet, else the callable's name."""
     if isinstance(target, torch._ops.OpOverload):
-        return target.name()
+        return f"{target._schema.name}.{target._overloadname}"
     if isinstance(target, torch._ops.OpOverloadPacket):
         return target._qualified_op_name
     if isinstance(target, str):
