@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import logging
 import math
 from collections.abc import Callable, Sequence
 
@@ -27,6 +28,8 @@ from sparsecore.kernels import lookup
 from sparsecore.optim import Optimizer, from_torch_optim
 from sparsecore.preprocess import PreprocessedBatch, Preprocessor, StackBatch, preprocess_and_look_up
 from sparsecore.stacking import StackSpec, plan_stacks
+
+logger = logging.getLogger(__name__)
 
 
 def default_num_sparsecores(device: torch.device) -> int:
@@ -60,16 +63,22 @@ class SparseCoreCollection(nn.Module):
         *,
         num_sparsecores: int | None = None,
         allow_id_dropping: bool = False,
+        is_weighted: bool = False,
     ):
         super().__init__()
         self._configs = [as_sparsecore_config(t) for t in tables]
         self._check_tables()
         self._device = torch.device(device if device is not None else "tpu")
         n = num_sparsecores or default_num_sparsecores(self._device)
-        self._stacks = plan_stacks(self._configs, n)
+        if is_weighted and not self._pooled:
+            raise ValueError("is_weighted=True: a sequence collection has no pooling for weights to scale "
+                             "(TorchRec's EmbeddingCollection takes none)")
+        self._is_weighted = is_weighted
+        self._stacks = plan_stacks(self._configs, n, weighted=is_weighted)
         self._allow_id_dropping = allow_id_dropping
         self._deferred_updates = False  # see set_deferred_updates
         self._observed: dict[str, tuple[int, int]] = {}  # per stack: most (ids, unique ids) of a partition so far
+        self._dropped: dict[str, int] = {}  # per stack: ids dropped at the limits so far (allow_id_dropping)
         self._prefetched: tuple[object, Pending] | None = None  # see prefetch
         self._weights = nn.ParameterDict()
         for stack in self._stacks:
@@ -106,15 +115,16 @@ class SparseCoreCollection(nn.Module):
         placeholder (plain attributes) follow: ``to(device)`` and ``to_empty(device=...)``
         reach a module inside a model only through here. A module built on the meta device
         gets fresh state; call reset_parameters() (or load) next."""
+        if self._device.type != "meta":
+            self.wait_for_updates()  # the tables are copied next
         super()._apply(fn, recurse)
         device = next(iter(self._weights.values())).device if len(self._weights) else self._device
-        if device == self._device:
-            return self
+        if device.type == self._device.type and self._device.index in (None, device.index):
+            return self  # "tpu" is the current tpu: .to("tpu") of a model on tpu:0 moves nothing
         if self._device.type == "meta":
             self._device = device
             self._init_optimizer_state()
             return self
-        self.wait_for_updates()  # queued on the old device's executor
         self._device = device
         for group in self._optimizer_state.values():
             for key, value in group.items():
@@ -124,6 +134,11 @@ class SparseCoreCollection(nn.Module):
             # Over the moved state; the lr (in the host hyperparameters) and step counts stay.
             self.fused_optimizer = self._make_fused_optimizer()
         return self
+
+    def is_weighted(self) -> bool:
+        """Whether a KJT's weights scale its ids' rows (as TorchRec's ``is_weighted``; default
+        False: they are ignored)."""
+        return self._is_weighted
 
     def to_torchrec(self) -> nn.Module:
         """The TorchRec module with these tables and weights (see sparsecore.convert)."""
@@ -137,7 +152,9 @@ class SparseCoreCollection(nn.Module):
         state = sum(t.numel() * t.element_size() for group in self._optimizer_state.values() for t in group.values())
         entry_bytes = 4 + 4 + 4  # local row, bag, gain
         buffers = sum(
-            s.num_sparsecores * s.num_sparsecores * (s.max_ids_per_partition * entry_bytes + 4) for s in self._stacks
+            max(s.num_sparsecores * s.num_sparsecores * (s.max_ids_per_partition * entry_bytes + 4),
+                (s.coo_buffer_size_per_device or 0) * entry_bytes)
+            for s in self._stacks
         )
         return {"tables": tables, "optimizer_state": state, "buffers": buffers, "total": tables + state + buffers}
 
@@ -165,7 +182,7 @@ class SparseCoreCollection(nn.Module):
             # Parameter handles: the optimizer keys its state by them (TorchRec's keys).
             handle = torch.empty(0)
             params[self._weight_key(t.name)] = handle
-            rows = lambda stack=stack, name=t.name: logical_to_physical(stack, name, self._device)  # noqa: E731
+            rows = functools.partial(self._physical_rows, t.name)  # a bound method pickles, a lambda not
             entries = {f"{t.name}.{key}": TableState(value, rows) for key, value in self._optimizer_state[stack.name].items()}
             entries[f"{t.name}.step"] = StepCount(self._steps[stack.name])
             state[handle] = entries
@@ -174,6 +191,14 @@ class SparseCoreCollection(nn.Module):
                               before_state_access=self.wait_for_updates)
 
     # ---- weights ----
+
+    def _physical_rows(self, table: str) -> torch.Tensor:
+        """The table's logical rows' rows in its stack, on the module's device."""
+        return logical_to_physical(self._stack_of(table), table, self._device)
+
+    def __getstate__(self) -> dict:
+        self.wait_for_updates()  # pickling and deepcopy read the tables
+        return super().__getstate__()
 
     def _stack_of(self, table: str) -> StackSpec:
         return next(s for s in self._stacks if table in s.placements)
@@ -313,11 +338,21 @@ class SparseCoreCollection(nn.Module):
         return features
 
     def _observe(self, batch: PreprocessedBatch) -> None:
-        """Folds a batch's partition statistics into observed_limits."""
+        """Folds a batch's partition statistics into observed_limits and dropped_ids."""
         for name, stats in batch.stats.items():
             ids, unique = self._observed.get(name, (0, 0))
             self._observed[name] = (max(ids, stats.max_ids_per_partition),
                                     max(unique, stats.max_unique_ids_per_partition))
+            if stats.dropped_ids:
+                if name not in self._dropped:
+                    logger.warning("stack %s: %d ids dropped at its partition limits (allow_id_dropping); "
+                                   "dropped_ids() counts them from now on", name, stats.dropped_ids)
+                self._dropped[name] = self._dropped.get(name, 0) + stats.dropped_ids
+
+    def dropped_ids(self) -> dict[str, int]:
+        """Per table, the ids dropped so far because a partition passed its limits (with
+        ``allow_id_dropping``; its stack's count: stacked tables share partitions)."""
+        return {t.name: self._dropped.get(self._stack_of(t.name).name, 0) for t in self._configs}
 
     def observed_limits(self) -> dict[str, dict[str, int]]:
         """Per table, the most ids and distinct ids any SparseCore partition carried in a
@@ -358,6 +393,8 @@ class SparseCoreCollection(nn.Module):
         Stacks with a row exchange (sharded data-parallel or column-wise row-wise
         Adagrad tables) always update inline: their exchanges are collectives, which
         must stay in the calling thread's order."""
+        if not enabled:
+            self.wait_for_updates()  # reads stop waiting once this is off: the queue first
         self._deferred_updates = enabled
 
     @property
@@ -387,7 +424,12 @@ class SparseCoreCollection(nn.Module):
         """The lookup of ``features`` (see the subclass's ``_assemble``), or the result of
         its :meth:`prefetch` when one was started for this very object."""
         pending = self._take_prefetched(features)
-        return pending.result() if pending is not None else self._assemble(*self._lookup_all(features))
+        if pending is not None:
+            return pending.result()
+        if not torch.compiler.is_compiling():
+            # This thread's lookup would not queue behind the updates queued on the executor.
+            self.wait_for_updates()
+        return self._assemble(*self._lookup_all(features))
 
     def forward_async(self, features: KeyedJaggedTensor | PreprocessedBatch) -> Pending | Resolved:
         """Runs forward's preprocessing and lookups on the device's SparseCore executor.

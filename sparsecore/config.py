@@ -52,8 +52,10 @@ class SparseCoreEmbeddingConfig:
     max_unique_ids_per_partition: int = 256
     """Most distinct ids one partition may carry, e.g. ``256``; at most max_ids_per_partition."""
     suggested_coo_buffer_size_per_device: int | None = None
-    """Capacity of the COO buffers per device in entries, e.g. ``65536``; None sizes it from the
-    limits (partitions x max_ids_per_partition)."""
+    """Entries the COO buffers of the table's stack hold per device at least, e.g. ``65536``:
+    a smaller batch's buffers are padded to it, so batches up to it have one shape (a compiled
+    step traces them once). None: each batch's buffers as wide as it needs (in steps, see
+    ``sparsecore.preprocess.bucket_width``). The most of a stack's tables counts."""
     max_seq_len: int | None = None
     """Sequence (unpooled) tables only: ids kept per sample, e.g. ``20``; None keeps all."""
     combiner: Literal["sqrtn"] | None = None

@@ -1,6 +1,6 @@
 """Converting between TorchRec's embedding modules and the SparseCore ones.
 
-Both directions keep configs and weights, so outputs are identical. The
+Both directions keep configs, weights and ``is_weighted``, so outputs are identical. The
 SparseCore-only ``sqrtn`` combiner and ``max_seq_len`` truncation have no
 TorchRec equivalent: converting such a table to TorchRec is refused.
 """
@@ -23,7 +23,8 @@ def from_torchrec(
 ) -> SparseCoreCollection:
     """The SparseCore module with the TorchRec module's tables and weights."""
     if isinstance(module, EmbeddingBagCollection):
-        engine = SparseCoreEmbeddingBagCollection(module.embedding_bag_configs(), optimizer, device)
+        engine = SparseCoreEmbeddingBagCollection(module.embedding_bag_configs(), optimizer, device,
+                                                  is_weighted=module.is_weighted())
     elif isinstance(module, EmbeddingCollection):
         engine = SparseCoreEmbeddingCollection(module.embedding_configs(), optimizer, device)
     else:
@@ -42,7 +43,7 @@ def to_torchrec(engine: SparseCoreCollection) -> EmbeddingBagCollection | Embedd
                               "None: TorchRec's EmbeddingCollection does not truncate sequences")
     configs = [t.config for t in engine._configs]
     if isinstance(engine, SparseCoreEmbeddingBagCollection):
-        module = EmbeddingBagCollection(tables=configs)
+        module = EmbeddingBagCollection(tables=configs, is_weighted=engine.is_weighted())
     else:
         module = EmbeddingCollection(tables=configs)
     module.load_state_dict({k: v.cpu() for k, v in engine.state_dict().items()})

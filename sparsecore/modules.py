@@ -7,7 +7,8 @@ features: ``forward(KJT) -> dict[str, JaggedTensor]`` like TorchRec's
 ``SparseCoreEmbeddingBagCollection`` takes the configs TorchRec's
 ``EmbeddingBagCollection`` takes and gives what it gives: ``forward(KJT) ->
 KeyedTensor`` with the same keys, order and ``state_dict`` keys
-(``embedding_bags.<table>.weight``). Inside, tables are stacked and
+(``embedding_bags.<table>.weight``); ``is_weighted`` as TorchRec's (a KJT's
+weights scale its rows only when True). Inside, tables are stacked and
 mod-sharded over the device's SparseCores (sparsecore.stacking); the
 state_dict shows each table in its logical row order.
 

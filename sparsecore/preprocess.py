@@ -369,7 +369,10 @@ def view_kjt(kjt: KeyedJaggedTensor, stacks: Sequence[StackSpec]) -> KjtView:
         raise InputError("lengths must be non-negative")
     if int(lengths.sum()) != values.numel():
         raise InputError(f"lengths sum to {int(lengths.sum())} but there are {values.numel()} ids")
-    weights = kjt.weights_or_none()
+    weights = kjt.weights_or_none() if any(s.weighted for s in stacks) else None
+    if weights is not None and weights.requires_grad and torch.is_grad_enabled():
+        raise InputError("the KJT's weights require grad, but the engine folds them into its lookups as "
+                         "constants and gives them no gradient; pass kjt weights detached")
     if weights is not None and weights.numel() != values.numel():
         raise InputError(f"{weights.numel()} weights for {values.numel()} ids; expected one weight per id")
     return KjtView(values=values.cpu(), lengths=lengths, weights=None if weights is None else weights.float().cpu(),
@@ -386,6 +389,23 @@ class Preprocessor:
 
     def __call__(self, kjt: KeyedJaggedTensor) -> PreprocessedBatch:
         return preprocess_stacks(kjt, self.stacks, allow_id_dropping=self.allow_id_dropping, device="cpu")
+
+
+def _at_least_suggested_size(batch: StackBatch, stack: StackSpec) -> StackBatch:
+    """``batch`` padded (padding entries: sample -1, gain 0) to the stack's suggested buffer
+    size per device, split over its receivers in ALIGNMENT steps; as it is when wider."""
+    size = stack.coo_buffer_size_per_device
+    if size is None:
+        return batch
+    width = -(-size // stack.num_sparsecores)
+    width = -(-width // ALIGNMENT) * ALIGNMENT
+    extra = width - batch.embedding_ids.shape[1]
+    if extra <= 0:
+        return batch
+    pad = torch.nn.functional.pad
+    return dataclasses.replace(batch, embedding_ids=pad(batch.embedding_ids, (0, extra)),
+                               sample_ids=pad(batch.sample_ids, (0, extra), value=-1),
+                               gains=pad(batch.gains, (0, extra)))
 
 
 def preprocess_stacks(
@@ -418,4 +438,5 @@ def preprocess_and_look_up(
                 rows[stack.name] = stack_rows
         else:
             built[stack.name] = _preprocess_sequence(stack, view, allow_id_dropping, lengths)
+        built[stack.name] = _at_least_suggested_size(built[stack.name], stack)
     return PreprocessedBatch(batch_size=view.batch_size, stacks=built, lengths=lengths), rows

@@ -49,6 +49,9 @@ class StackSpec:
     """SparseCores the rows are sharded over, e.g. ``4``."""
     placements: dict[str, TablePlacement]
     """Per table name: rotation and row range."""
+    weighted: bool = True
+    """Whether a KJT's weights scale its ids' rows (TorchRec's ``is_weighted``); False: they
+    are ignored, as TorchRec's unweighted collections ignore them."""
 
     @property
     def embedding_dim(self) -> int:
@@ -65,6 +68,13 @@ class StackSpec:
     @property
     def feature_names(self) -> list[str]:
         return [f for t in self.tables for f in t.feature_names]
+
+    @property
+    def coo_buffer_size_per_device(self) -> int | None:
+        """The stack's tables' largest ``suggested_coo_buffer_size_per_device``, if any set one."""
+        sizes = [t.suggested_coo_buffer_size_per_device for t in self.tables
+                 if t.suggested_coo_buffer_size_per_device is not None]
+        return max(sizes) if sizes else None
 
     @property
     def max_ids_per_partition(self) -> int:
@@ -88,8 +98,10 @@ def _stack_key(config: SparseCoreEmbeddingConfig) -> str:
     return f"stack_d{config.embedding_dim}_{kind}_{config.dtype}".replace("torch.", "")
 
 
-def plan_stacks(configs: Sequence[SparseCoreEmbeddingConfig], num_sparsecores: int) -> list[StackSpec]:
-    """Groups tables into stacks (by stack_table_name, else by dim, kind and dtype)."""
+def plan_stacks(configs: Sequence[SparseCoreEmbeddingConfig], num_sparsecores: int, *,
+                weighted: bool = True) -> list[StackSpec]:
+    """Groups tables into stacks (by stack_table_name, else by dim, kind and dtype);
+    ``weighted``: whether the stacks take a KJT's weights (StackSpec.weighted)."""
     if num_sparsecores <= 0:
         raise ValueError(f"num_sparsecores must be positive, got {num_sparsecores}")
     groups: dict[str, list[SparseCoreEmbeddingConfig]] = {}
@@ -111,5 +123,6 @@ def plan_stacks(configs: Sequence[SparseCoreEmbeddingConfig], num_sparsecores: i
             rows = -(-(t.num_embeddings + rotation) // num_sparsecores)
             placements[t.name] = TablePlacement(rotation=rotation, row_offset=offset, rows_per_sparsecore=rows)
             offset += rows
-        stacks.append(StackSpec(name=name, tables=tuple(tables), num_sparsecores=num_sparsecores, placements=placements))
+        stacks.append(StackSpec(name=name, tables=tuple(tables), num_sparsecores=num_sparsecores, placements=placements,
+                                weighted=weighted))
     return stacks

@@ -206,3 +206,23 @@ def test_graph_ops_need_host_and_meta_kernels():
         register_graph_op(torch.ops.torch_tpu._deferred_empty.default)
     with pytest.raises(TypeError, match="takes an op overload"):
         register_graph_op(torch.ops.torch_tpu.dot_interaction)
+
+
+def test_compiled_batch_sizes_stay_symbolic_under_fullgraph():
+    # The meta kernel keeps B a SymInt: Dynamo traces one dynamic graph, the backend bounds its
+    # shape specializations (a warning), and fullgraph=True never hits Dynamo's recompile limit.
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    step = torch.compile(lambda d, s: dot_interaction(d, s).sum(), backend="tpu", fullgraph=True)
+    g = torch.Generator().manual_seed(0)
+    with pytest.warns(RuntimeWarning, match="shape specializations of one graph"):
+        for batch in range(2, 14):
+            dense = torch.randn(batch, 4, generator=g).to("tpu").requires_grad_()
+            sparse = torch.randn(batch, 3, 4, generator=g).to("tpu")
+            out = step(dense, sparse)
+            out.backward()
+            expected = dot_interaction(dense.detach(), sparse).sum()
+            torch.testing.assert_close(out.detach().cpu(), expected.cpu(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="disagree on B"):
+        torch.ops.torch_tpu.dot_interaction(torch.randn(3, 4, device="meta"), torch.randn(2, 3, 4, device="meta"))

@@ -15,6 +15,15 @@ Files are written to a temporary name and renamed, so readers and concurrent
 writers only ever see whole entries; an entry that is corrupt, truncated or
 from other versions is recompiled and overwritten, never loaded.
 ``torch.tpu.compile_cache_stats()`` counts hits and misses per tier.
+
+What an entry holds is Inductor's artifact: the traced, lowered and generated
+graph, not the machine code of its C++ kernels, which Inductor builds with
+``-march=native`` into its own cache (``TORCHINDUCTOR_CACHE_DIR``). A hit
+skips Dynamo, AOTAutograd and Inductor's lowering; on a host whose Inductor
+cache does not hold the kernels yet (another host, a fresh container) they
+are built again - machine-specific binaries are not shared between hosts
+(measured on a 4-layer MLP: 25.5 s cold, 19.1 s from a hit with a fresh
+Inductor cache, 5.6 s with a warm one).
 """
 
 from __future__ import annotations

@@ -72,6 +72,16 @@ UNMAPPED_MXU_OPS = frozenset(
 )
 
 
+# ATen ops whose CPU kernels shape some outputs unlike their meta functions (the embedding
+# bag's fast path returns an empty offset2bag, a mean bag an extra bag_size): a graph
+# traced on tpu and compiled for cpu would hand its backward buffers of other shapes.
+HOST_SHAPED_OPS = frozenset(
+    [aten._embedding_bag, aten._embedding_bag_forward_only, aten._embedding_bag_backward,
+     aten._embedding_bag_dense_backward, aten._embedding_bag_sparse_backward,
+     aten._embedding_bag_per_sample_weights_backward]
+)
+
+
 class NotCompilable(RuntimeError):
     """The graph holds something the CPU compile cannot run with tpu semantics."""
 
@@ -103,6 +113,8 @@ def _check_compilable(target: Any) -> None:
         raise NotCompilable(f"{target.name()}: a higher-order op")
     if isinstance(target, torch._ops.OpOverload) and not is_graph_op(target):
         raise NotCompilable(f"{target}: a custom op")
+    if getattr(target, "overloadpacket", None) in HOST_SHAPED_OPS:
+        raise NotCompilable(f"{target}: its cpu kernel's outputs are shaped unlike the tpu graph's")
 
 
 def _compilable(node: torch.fx.Node) -> bool:

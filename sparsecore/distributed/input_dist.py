@@ -60,8 +60,11 @@ def _row_splits(rows: RowBuckets, features: list[tuple[torch.Tensor, torch.Tenso
 class InputDist:
     """Routes local KJTs to the ranks' shards (see the module docstring)."""
 
-    def __init__(self, layout: ShardLayout, rank: int, group: dist.ProcessGroup | None):
+    def __init__(self, layout: ShardLayout, rank: int, group: dist.ProcessGroup | None, weighted: bool = True):
+        """``weighted``: the collection's ``is_weighted``; False ignores the batches' weights
+        (the shards' engines take weights always: the routed gains travel as weights)."""
         self.layout, self.rank, self.group = layout, rank, group
+        self.weighted = weighted
         self.world = layout.world_size
         self.routes = layout.routes()
         self.replicated = {f for c in layout.replicated for f in c.feature_names}  # not routed: local only
@@ -76,6 +79,8 @@ class InputDist:
 
     def __call__(self, kjt: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, list[int]]:
         """The global batch of this rank's shards, and every rank's batch size (rank order)."""
+        if not self.weighted and kjt.weights_or_none() is not None:
+            kjt = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(), stride=kjt.stride())
         if self.world == 1 and not self.row_sharded and self.local_features:
             # One rank, whole bags: the batch is already the engine's, up to key names.
             return self._rename(kjt), [kjt.stride()]

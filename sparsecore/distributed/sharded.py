@@ -71,14 +71,17 @@ class ShardedSparseCoreCollection(nn.Module):
             device = torch.device("tpu", torch.tpu.current_device())
         self._device = device
 
-        def engine(configs):
+        def engine(configs, weighted):
             return type(module)(configs, module._optimizer, device,
                                                     num_sparsecores=plan.sparsecores_per_chip,
-                                                    allow_id_dropping=module._allow_id_dropping)
+                                                    allow_id_dropping=module._allow_id_dropping,
+                                                    is_weighted=weighted and module._pooled)
 
-        self.engine = engine([s.local_config() for s in local]) if local else None
+        # The shards take the routed gains as weights (InputDist drops the batch's own when
+        # the collection is unweighted); a replica sees the local batch, as the collection would.
+        self.engine = engine([s.local_config() for s in local], True) if local else None
         # data_parallel tables: a replica here, trained on every rank's row gradients.
-        self.replicas = engine(self._layout.replicated) if self._layout.replicated else None
+        self.replicas = engine(self._layout.replicated, module.is_weighted()) if self._layout.replicated else None
         if module._device.type != "meta":
             self._copy_weights(module)
         if self.replicas is not None:
@@ -86,7 +89,8 @@ class ShardedSparseCoreCollection(nn.Module):
                 self.replicas.set_row_exchange(stack.name, functools.partial(merge_across_ranks, group=process_group))
         if isinstance(module._optimizer, RowWiseAdagrad):
             self._share_row_statistics()
-        self._input_dist = InputDist(self._layout, self._rank, process_group)
+        self._is_weighted = module.is_weighted()
+        self._input_dist = InputDist(self._layout, self._rank, process_group, self._is_weighted)
         self._combined_optimizer: KeyedOptimizer | None = None  # see fused_optimizer
 
     def _share_row_statistics(self) -> None:
@@ -316,7 +320,7 @@ class ShardedSparseCoreEmbeddingBagCollection(ShardedSparseCoreCollection):
         interleaving with the collectives of the calling thread. The first call creates
         that group: every rank must make it at the same point (as a pipeline does)."""
         if self._ahead is None:
-            input_dist = InputDist(self._layout, self._rank, self._peer_group())
+            input_dist = InputDist(self._layout, self._rank, self._peer_group(), self._is_weighted)
             self._ahead = (threads.worker("sparsecore-input-dist"), input_dist)
         thread, input_dist = self._ahead
         trace = executor_for(self._device).trace if self._device.type == "tpu" else None

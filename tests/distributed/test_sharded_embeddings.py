@@ -313,3 +313,35 @@ def test_output_placement_adds_row_shards_into_their_columns():
         placement([torch.tensor([0, 0, 4]), second], [2, 3])
     with pytest.raises(ValueError, match="block column 1 feeds no output column"):
         placement([torch.tensor([0, 2, 4])], [2, 3])
+
+
+def with_weights(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """The batch with a weight per id, a function of the id: a rank's slice of the global batch
+    carries the same weights as the global batch."""
+    return KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(),
+                             weights=1.0 + (kjt.values() % 5).float() * 0.25)
+
+
+def weighted_outputs_sharded(rank: int, world: int, plan_json: str, is_weighted: bool) -> list[torch.Tensor]:
+    module = sparsecore.SparseCoreEmbeddingBagCollection(tables(), optim.SGD(lr=0.1), "tpu", is_weighted=is_weighted)
+    for name, w in initial_weights().items():
+        module.set_table_weight(name, w)
+    module = shard(module, ShardingPlan.from_json(plan_json))
+    return [module(with_weights(kjt_of([local_batch(rank, step)]))).values().detach().cpu() for step in range(2)]
+
+
+@pytest.mark.parametrize("is_weighted", [False, True])
+def test_a_sharded_collection_takes_the_batch_s_weights_only_when_weighted(is_weighted):
+    # Row-wise and data-parallel tables: the routed gains and the replicas' local batches.
+    world, plan = 2, plan_for("data_parallel", 2)
+    results = assert_all_ok(run_ranks(weighted_outputs_sharded, world, plan.to_json(), is_weighted))
+    module = sparsecore.SparseCoreEmbeddingBagCollection(tables(), device="cpu", is_weighted=is_weighted)
+    for name, w in initial_weights().items():
+        module.set_table_weight(name, w)
+    for step in range(2):
+        expected = module(with_weights(kjt_of([local_batch(r, step) for r in range(world)]))).values()
+        unweighted = module(kjt_of([local_batch(r, step) for r in range(world)])).values()
+        assert torch.equal(expected, unweighted) is not is_weighted  # the weights matter to this batch
+        for rank, outputs in enumerate(results):
+            start = sum(3 + r for r in range(rank))
+            assert_close(outputs[step], expected[start:start + 3 + rank], msg=lambda m: f"rank {rank} step {step}: {m}")

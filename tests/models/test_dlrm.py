@@ -45,7 +45,7 @@ def build_pair(kind, source, *, optimizer=None, weighted=False, seed=0):
     torch.manual_seed(seed)
     ref_ebc = EmbeddingBagCollection(tables=configs, is_weighted=weighted)
     ebc = sparsecore.SparseCoreEmbeddingBagCollection(
-        engine_tables(configs, BATCH * sum(source.pooling)), optimizer, device="tpu")
+        engine_tables(configs, BATCH * sum(source.pooling)), optimizer, device="tpu", is_weighted=weighted)
     args = (schema.NUM_DENSE, DENSE_ARCH, OVER_ARCH)
     if kind == "dlrm":
         ref, ours = torchrec_dlrm.DLRM(ref_ebc, *args), DLRM(ebc, *args)

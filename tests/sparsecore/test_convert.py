@@ -124,3 +124,28 @@ def test_the_whole_module_pickles_with_its_learning_rate():
     assert loaded.fused_optimizer.param_groups[0]["lr"] == 0.3 and float(loaded._hyper[0]) == 0.3
     kjt = random_kjt(TABLES, batch=4, seed=1)
     torch.testing.assert_close(loaded(kjt).values(), engine(kjt).values())
+
+
+def test_a_suggested_buffer_size_pads_small_batches_to_one_shape():
+    from sparsecore import SparseCoreEmbeddingConfig
+
+    sized = [SparseCoreEmbeddingConfig(config=t, suggested_coo_buffer_size_per_device=250) for t in TABLES]
+    reference = EmbeddingBagCollection(tables=TABLES)
+    engine = SparseCoreEmbeddingBagCollection(sized, optim.SGD(lr=0.1), device="tpu", num_sparsecores=4)
+    engine.load_state_dict(reference.state_dict())
+    shapes = {tuple(b.embedding_ids.shape) for seed in range(3)
+              for b in engine.preprocess(random_kjt(TABLES, batch=3 + seed, seed=seed)).stacks.values()}
+    assert shapes == {(4, 64)}  # 250 entries over 4 receivers, in steps of 8
+    kjt = random_kjt(TABLES, batch=5, seed=7)
+    out = engine(kjt).values()
+    torch.testing.assert_close(out.detach().cpu(), reference(kjt).values().detach())
+    out.sum().backward()  # the padding trains nothing
+    train = torch.optim.SGD(reference.parameters(), lr=0.1)
+    reference(kjt).values().sum().backward()
+    train.step()
+    for key, expected in reference.state_dict().items():
+        torch.testing.assert_close(engine.state_dict()[key].cpu(), expected, atol=1e-6, rtol=1e-5)
+    unsized = SparseCoreEmbeddingBagCollection(TABLES, device="tpu", num_sparsecores=4).memory_breakdown()["buffers"]
+    assert engine.memory_breakdown()["buffers"] == sum(
+        max(s.num_sparsecores ** 2 * (s.max_ids_per_partition * 12 + 4), 250 * 12) for s in engine.stacks)
+    assert engine.memory_breakdown()["buffers"] >= unsized

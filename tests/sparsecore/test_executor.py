@@ -137,3 +137,100 @@ def test_kernels_called_from_two_threads_at_once_give_each_its_result():
     for b in range(len(batches)):
         torch.testing.assert_close(on_main[b], expected_cpu[b], rtol=0, atol=0)
         torch.testing.assert_close(pending[b].result(timeout=60).values().cpu(), expected_tpu[b], rtol=0, atol=0)
+
+
+# ---- deferred updates and the calling thread (an audit's cases) ----
+
+BIG = [SparseCoreEmbeddingConfig(config=EmbeddingBagConfig(name="t", num_embeddings=2000, embedding_dim=64,
+                                                           feature_names=["f"]),
+                                 max_ids_per_partition=10**6, max_unique_ids_per_partition=10**6)]
+
+
+def big_batches(n=4):
+    return [random_kjt([BIG[0].config], batch=2048, seed=40 + i, max_len=20) for i in range(n)]
+
+
+def trained(deferred: bool, after=None, optimizer=None):
+    torch.manual_seed(0)
+    engine = SparseCoreEmbeddingBagCollection(BIG, optimizer or optim.Adagrad(lr=0.01), device="tpu")
+    engine.set_deferred_updates(deferred)
+    for kjt in big_batches():
+        engine(kjt).values().pow(2).sum().backward()  # the plain forward, after a queued update
+    if after is not None:
+        engine = after(engine)
+    torch.tpu.synchronize()
+    return engine
+
+
+def test_a_plain_forward_sees_the_deferred_updates_queued_before_it():
+    inline = trained(False).table_weight("t")
+    assert torch.equal(trained(True).table_weight("t"), inline)
+
+
+def test_turning_deferred_updates_off_waits_for_those_queued():
+    inline = trained(False).table_weight("t")
+
+    def off_then_read(engine):
+        engine.set_deferred_updates(False)
+        engine.read = engine.table_weight("t")  # once off, table_weight has no queue to wait for
+        return engine
+
+    assert torch.equal(trained(True, after=off_then_read).read, inline)
+
+
+@pytest.mark.parametrize("how", ["to", "deepcopy"])
+def test_a_copy_right_after_a_deferred_backward_has_its_update(how):
+    import copy
+
+    inline = trained(False)
+    move = (lambda e: e.to("cpu")) if how == "to" else copy.deepcopy
+    copied = trained(True, after=move)
+    assert torch.equal(copied.table_weight("t").cpu(), inline.table_weight("t").cpu())
+    for name, value in inline.table_optimizer_state("t").items():
+        assert torch.equal(copied.table_optimizer_state("t")[name].cpu(), value.cpu())
+
+
+def test_moving_to_the_device_the_module_is_on_keeps_its_optimizer():
+    engine = SparseCoreEmbeddingBagCollection(TABLES, optim.Adagrad(lr=0.1), device="tpu")
+    fused = engine.fused_optimizer
+    scheduler = torch.optim.lr_scheduler.StepLR(fused, step_size=1, gamma=0.5)
+    torch.nn.ModuleDict({"ebc": engine}).to("tpu")
+    fused.step()
+    scheduler.step()
+    assert engine.fused_optimizer is fused and float(engine._hyper[0]) == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("spec", [optim.Adagrad(lr=0.1), optim.Adam(lr=0.1), optim.RowWiseAdagrad(lr=0.1)])
+def test_a_module_with_optimizer_state_pickles(spec):
+    import io
+
+    engine = SparseCoreEmbeddingBagCollection(TABLES, spec, device="tpu")
+    engine(random_kjt(TABLES, batch=4, seed=2)).values().sum().backward()
+    buffer = io.BytesIO()
+    torch.save(engine, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for table in ("shared", "small"):
+        for name, value in engine.table_optimizer_state(table).items():
+            assert torch.equal(loaded.table_optimizer_state(table)[name].cpu(), value.cpu())
+    kjt = random_kjt(TABLES, batch=4, seed=3)
+    loaded(kjt).values().sum().backward()
+    engine(kjt).values().sum().backward()
+    assert torch.equal(loaded.table_weight("shared").cpu(), engine.table_weight("shared").cpu())
+
+
+def test_weights_that_require_grad_are_refused_not_silently_left_untrained():
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from sparsecore.errors import InputError
+
+    tables = [EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4, feature_names=["f"])]
+    engine = SparseCoreEmbeddingBagCollection(tables, optim.SGD(lr=0.1), device="tpu", is_weighted=True)
+    w = torch.rand(3, requires_grad=True)
+    kjt = KeyedJaggedTensor(keys=["f"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1]), weights=w)
+    with pytest.raises(InputError, match="weights require grad"):
+        engine(kjt)
+    with torch.no_grad():
+        engine(kjt)  # no gradient asked for: fine
+    engine(KeyedJaggedTensor(keys=["f"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1]),
+                             weights=w.detach()))

@@ -55,7 +55,7 @@ def test_inference_equals_torchrec_without_preprocessing(how, weighted, batch, m
     # (TorchRec weights sum pooling only.)
     tables = [dataclasses.replace(t, pooling=PoolingType.SUM) for t in TABLES] if weighted else TABLES
     reference = EmbeddingBagCollection(tables=tables, is_weighted=weighted)
-    engine = engine_like(reference, roomy(tables))
+    engine = engine_like(reference, roomy(tables), is_weighted=weighted)
     no_preprocessing(monkeypatch)
     for seed in range(3):
         kjt = random_kjt(tables, batch=batch, seed=seed, weighted=weighted, max_len=max_len)
@@ -87,7 +87,7 @@ def test_low_precision_tables_and_int32_ids(data_type, monkeypatch):
 
 def test_sqrtn_combiner_and_empty_batch_match_the_preprocessed_lookup():
     tables = roomy(TABLES[:3], combiner="sqrtn")
-    engine = SparseCoreEmbeddingBagCollection(tables, device="tpu", num_sparsecores=4)
+    engine = SparseCoreEmbeddingBagCollection(tables, device="tpu", num_sparsecores=4, is_weighted=True)
     kjt = random_kjt(TABLES[:3], batch=40, seed=2, weighted=True, max_len=6)
     with torch.no_grad():
         expected = engine(kjt).values().cpu()  # the COO path (preprocessing, then the lookup)

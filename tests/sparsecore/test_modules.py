@@ -26,7 +26,7 @@ def random_kjt(tables, batch, seed=0, weighted=False, max_len=5):
 
 
 def pair(tables, device="tpu", **kw):
-    reference = EmbeddingBagCollection(tables=tables, is_weighted=kw.pop("is_weighted", False))
+    reference = EmbeddingBagCollection(tables=tables, is_weighted=kw.get("is_weighted", False))
     engine = SparseCoreEmbeddingBagCollection(tables, device=device, **kw)
     engine.load_state_dict(reference.state_dict())
     return reference, engine
@@ -119,7 +119,7 @@ def test_init_fn_is_honoured():
 def test_bad_tables_and_inputs_are_named():
     with pytest.raises(InputError, match="feature 'f0' is served by both"):
         SparseCoreEmbeddingBagCollection(TABLES + [EmbeddingBagConfig(name="x", num_embeddings=3, embedding_dim=4, feature_names=["f0"])], device="cpu")
-    _, engine = pair(TABLES)
+    _, engine = pair(TABLES, is_weighted=True)
     bad = KeyedJaggedTensor.from_lengths_sync(keys=["f0", "f1", "f2", "f3"], values=torch.tensor([97]), lengths=torch.tensor([1, 0, 0, 0]))
     before = engine.state_dict()["embedding_bags.shared.weight"].clone()
     with pytest.raises(InputError, match=r"feature 'f0' \(table 'shared'\): id 97 is out of range"):
@@ -131,3 +131,37 @@ def test_bad_tables_and_inputs_are_named():
     for mode in (torch.no_grad, torch.inference_mode):
         with mode(), pytest.raises(InputError, match="2 weights for 3 ids; expected one weight per id"):
             engine(short)
+
+
+def test_weights_count_only_in_a_weighted_collection_as_in_torchrec():
+    tables = [EmbeddingBagConfig(name="t", num_embeddings=20, embedding_dim=4, feature_names=["f"])]
+    kjt = random_kjt(tables, batch=9, weighted=True)
+    for weighted in (False, True):
+        reference, engine = pair(tables, is_weighted=weighted)
+        assert engine.is_weighted() is weighted
+        assert_same(reference, engine, kjt)  # unweighted: the weights are ignored, as TorchRec ignores them
+        with torch.inference_mode():
+            torch.testing.assert_close(engine(kjt).values().cpu(), reference(kjt).values(), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_conversions_keep_is_weighted(weighted):
+    from sparsecore.convert import from_torchrec
+
+    tables = [EmbeddingBagConfig(name="t", num_embeddings=20, embedding_dim=4, feature_names=["f"])]
+    reference = EmbeddingBagCollection(tables=tables, is_weighted=weighted)
+    engine = from_torchrec(reference, device="tpu")
+    back = engine.to_torchrec()
+    assert engine.is_weighted() is weighted and back.is_weighted() is weighted
+    kjt = random_kjt(tables, batch=6, weighted=True)
+    torch.testing.assert_close(back(kjt).values(), reference(kjt).values())
+    torch.testing.assert_close(engine(kjt).values().detach().cpu(), reference(kjt).values().detach(), atol=1e-6, rtol=1e-5)
+
+
+def test_a_sequence_collection_refuses_is_weighted():
+    from sparsecore.modules import SparseCoreEmbeddingCollection
+    from torchrec import EmbeddingConfig
+
+    with pytest.raises(ValueError, match="a sequence collection has no pooling"):
+        SparseCoreEmbeddingCollection([EmbeddingConfig(name="s", num_embeddings=5, embedding_dim=4, feature_names=["q"])],
+                                      device="cpu", is_weighted=True)

@@ -99,3 +99,19 @@ def test_training_from_a_kjt_equals_training_from_its_preprocessed_batch(device)
             out.backward(grads)
     for key, value in engines[0].state_dict().items():
         assert torch.equal(value.cpu(), engines[1].state_dict()[key].cpu()), key
+
+
+def test_the_module_counts_and_reports_the_ids_it_drops(caplog):
+    tight = [dataclasses.replace(c, max_ids_per_partition=3, max_unique_ids_per_partition=2) for c in tables(8)]
+    engine = SparseCoreEmbeddingBagCollection(tight, device="tpu", num_sparsecores=2, allow_id_dropping=True)
+    kjt = random_kjt([c.config for c in tight], batch=20, seed=1, max_len=3)
+    dropped = engine.preprocess(kjt).stats  # what one batch drops, per stack
+    assert engine.dropped_ids() == {c.name: dropped[engine._stack_of(c.name).name].dropped_ids for c in tight}
+    with caplog.at_level("WARNING", logger="sparsecore.collection"):
+        with torch.no_grad():
+            engine(kjt)
+            engine(kjt)
+    assert engine.dropped_ids() == {c.name: 3 * dropped[engine._stack_of(c.name).name].dropped_ids for c in tight}
+    assert all(n > 0 for n in engine.dropped_ids().values())
+    warned = [r for r in caplog.records if "ids dropped at its partition limits" in r.getMessage()]
+    assert len(warned) == len(engine.stacks)  # once per stack, when it first drops
