@@ -1168,3 +1168,39 @@ def test_an_in_place_matmul_into_a_real_tensor_keeps_mxu_precision_when_compiles
         with deferring():
             deferred = steps()
     assert torch.equal(deferred, strict)
+
+
+def test_a_compiled_graph_reading_a_view_of_a_tensor_it_writes_in_place_keeps_strict_s_order(monkeypatch):
+    monkeypatch.setenv(COMPILE, "sync")
+    w = torch.zeros(3, 4, device="tpu")
+    seen = []
+    with deferring():
+        for _ in range(6):  # compiled from the second run on
+            z = w.t() * 2.0  # reads w through a view, then w is written in place
+            w.add_(1.0)
+            seen.append((z + 0.0)[0, 0].item())
+    assert seen == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
+
+
+def test_a_compiled_graph_returning_one_buffer_for_two_outputs_fills_both(monkeypatch):
+    monkeypatch.setenv(COMPILE, "sync")
+    x = torch.arange(4.0, device="tpu")
+    for _ in range(3):
+        with deferring():
+            a = x * 2
+            b, c = a.clone(), a.clone()
+        assert b.tolist() == c.tolist() == [0.0, 2.0, 4.0, 6.0]
+        b.add_(1)
+        assert c.tolist() == [0.0, 2.0, 4.0, 6.0]  # two buffers, not one
+
+
+def test_an_error_raised_on_leaving_the_mode_leaves_it_all_the_same():
+    x = torch.arange(6.0, device="tpu")
+    with pytest.raises(IndexError):
+        with deferring():
+            bad = x.index_select(0, torch.tensor([7], device="tpu")) + 1  # raises when the graph runs: on leaving
+    assert torch_tpu.get_eager_mode() is EagerMode.STRICT and not defer.on_this_thread()
+    assert not is_deferred(x * 2) and is_deferred(bad)  # bad's value never came: its op failed
+    with deferring():
+        y = x * 3
+    assert y.tolist() == [0.0, 3.0, 6.0, 9.0, 12.0, 15.0]

@@ -263,6 +263,7 @@ class _Graph:
         self.input_index: dict[int, int] = {}  # TensorImpl address -> input number
         self.input_metas: list[tuple] = []
         self.input_storages: set[int] = set()
+        self.inputs_on: Counter = Counter()  # StorageImpl address -> tpu inputs on it (a tensor and its views)
         self.bound: dict[int, _Bound] = {}  # TensorImpl address -> binding
         self.pending_storages: dict[int, int] = {}  # StorageImpl address -> TensorImpl address of its base
         self.write_storages: dict[int, int] = {}  # StorageImpl address -> TensorImpl address written
@@ -447,7 +448,11 @@ class _Engine:
                 raise _NotRecordable
         # Writes to real memory whose every earlier write in the graph ran in
         # place run in place too: no second copy of the tensor, no copy back.
+        # Not when another input reads the same memory (a view of a parameter, taken before
+        # this write): a compiled graph takes its inputs as independent and could read that
+        # view after the write; written functionally, the value is copied in after the graph.
         in_place = all(storage not in g.pending_storages and self._written_in_place(t)
+                       and g.inputs_on[storage] <= (t._cdata in g.input_index)
                        for t, storage in zip(targets, storages))
         op = func if in_place else functional
         refs_args, refs_kwargs, sig, shapes = self._refs(op, args, kwargs)
@@ -575,6 +580,7 @@ class _Engine:
         if on_tpu:
             g.inputs.append(t)  # held: its address stays its own while the graph is pending
             g.input_index[t._cdata] = k
+            g.inputs_on[storage] += 1
             g.input_storages.add(storage)
         else:
             # A cpu scalar may change before the graph runs (a step count), or be freed and
@@ -719,7 +725,12 @@ class _Engine:
                     self.stats.compiled_runs += 1
                 else:
                     self.stats.replayed_runs += 1
+                # A compiled graph may return one tensor for several outputs (two clones of a
+                # value): _fill_deferred would hand its memory to the first, leaving none to copy.
+                shared = {k for k, n in Counter(v._cdata for v in values).items() if n > 1}
                 for b, value in zip(targets, values):
+                    if b.kind != "write" and value._cdata in shared:
+                        value = value.clone()  # memory of its own for this target
                     if b.kind == "write" or _ops._fill_deferred(b.tensor, value):
                         _copy_unversioned(b.tensor, value)
                     del value
@@ -935,15 +946,22 @@ def leave_on_this_thread() -> None:
     if not dormant and _get_current_dispatch_mode() is not mode:
         raise RuntimeError("cannot leave DeferAndFuse while a dispatch mode entered after it is active "
                            f"({type(_get_current_dispatch_mode()).__name__}); exit that mode first")
-    materialize("leaving DeferAndFuse")
-    # Compiles still running in the background would overlap whatever runs
-    # next (a torch.compile of its own): done before leaving.
-    engine().graphs.wait_for_compiles()
-    _local.mode = None
-    if dormant:
-        _local.dormant_depth = None
-    else:
-        mode.__exit__(None, None, None)
-    with _engine.lock:
-        _engine.segments.interrupted()
-    materialization_hooks.uninstall()
+    try:
+        materialize("leaving DeferAndFuse")  # may raise a recorded op's error: the mode is left all the same
+        # Compiles still running in the background would overlap whatever runs
+        # next (a torch.compile of its own): done before leaving.
+        engine().graphs.wait_for_compiles()
+    finally:
+        _local.mode = None
+        if dormant:
+            _local.dormant_depth = None
+        else:
+            mode.__exit__(None, None, None)
+        with _engine.lock:
+            _engine.segments.interrupted()
+        materialization_hooks.uninstall()
+
+
+def on_this_thread() -> bool:
+    """Whether DeferAndFuse is entered on this thread (recording or dormant)."""
+    return getattr(_local, "mode", None) is not None

@@ -130,20 +130,18 @@ def replay(graph: Any, outputs: list[tuple], liveness: Liveness | None = None,
         return inputs[r[1]] if r[0] == "i" else env[r]
 
     for n, (func, args, kwargs) in enumerate(graph.nodes):
-        if errors is not None:
-            if any(r[0] == "v" and r[1] in lost for r in node_refs[n]):
-                lost.add(n)
-                continue
-            try:
-                resolved = [_resolve(a, value) for a in args]
-                out = func(*resolved, **{k: _resolve(v, value) for k, v in kwargs.items()})
-            except Exception as error:  # noqa: BLE001 - kept for the caller to raise
-                errors.append(error)
-                lost.add(n)
-                continue
-        else:
+        if lost and any(r[0] == "v" and r[1] in lost for r in node_refs[n]):
+            lost.add(n)
+            continue
+        try:
             resolved = [_resolve(a, value) for a in args]
             out = func(*resolved, **{k: _resolve(v, value) for k, v in kwargs.items()})
+        except Exception as error:
+            if errors is None:
+                raise
+            errors.append(error)  # kept for the caller to raise
+            lost.add(n)
+            continue
         if n in graph.in_place:  # its outputs are the tensors it wrote
             out = resolved[0]
         outs = out if isinstance(out, (list, tuple)) else (out,)

@@ -140,8 +140,10 @@ def _enter_mode_on_this_thread(mode: EagerMode, record: bool = True) -> None:
     if mode is not EagerMode.DEFER_AND_FUSE and getattr(_local, "deferring", False):
         from torch_tpu import defer
 
-        defer.leave_on_this_thread()
-        _local.deferring = False
+        try:
+            defer.leave_on_this_thread()
+        finally:  # left even when the pending graph's run raised; not when leaving was refused
+            _local.deferring = defer.on_this_thread()
     active = getattr(_local, "checks", None)
     if mode is EagerMode.DEBUG and active is None:
         from torch_tpu.debug import DebugChecks
