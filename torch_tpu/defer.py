@@ -189,6 +189,21 @@ def _copy_unversioned(dst: torch.Tensor, value: torch.Tensor) -> None:
     alias.copy_(value)
 
 
+def _fill(targets: list[_Bound], values: list[torch.Tensor | None]) -> None:
+    """Each target gets its value (None: none was computed, see deferred_graph.replay): a
+    pending tensor its memory, a real tensor the value written in."""
+    # A compiled graph may return one tensor for several outputs (two clones of a value):
+    # _fill_deferred would hand its memory to the first, leaving none to copy.
+    shared = {k for k, n in Counter(v._cdata for v in values if v is not None).items() if n > 1}
+    for b, value in zip(targets, values):
+        if value is None:
+            continue
+        if b.kind != "write" and value._cdata in shared:
+            value = value.clone()  # memory of its own for this target
+        if b.kind == "write" or _ops._fill_deferred(b.tensor, value):
+            _copy_unversioned(b.tensor, value)
+
+
 def _covers_storage(t: torch.Tensor) -> bool:
     """Whether `t` is its whole storage, densely from offset 0 (a parameter, say):
     then a view's storage offsets index its value."""
@@ -262,8 +277,7 @@ class _Graph:
         self.inputs: list[torch.Tensor] = []
         self.input_index: dict[int, int] = {}  # TensorImpl address -> input number
         self.input_metas: list[tuple] = []
-        self.input_storages: set[int] = set()
-        self.inputs_on: Counter = Counter()  # StorageImpl address -> tpu inputs on it (a tensor and its views)
+        self.input_storages: Counter = Counter()  # StorageImpl address -> tpu inputs on it (a tensor and its views)
         self.bound: dict[int, _Bound] = {}  # TensorImpl address -> binding
         self.pending_storages: dict[int, int] = {}  # StorageImpl address -> TensorImpl address of its base
         self.write_storages: dict[int, int] = {}  # StorageImpl address -> TensorImpl address written
@@ -452,7 +466,7 @@ class _Engine:
         # this write): a compiled graph takes its inputs as independent and could read that
         # view after the write; written functionally, the value is copied in after the graph.
         in_place = all(storage not in g.pending_storages and self._written_in_place(t)
-                       and g.inputs_on[storage] <= (t._cdata in g.input_index)
+                       and g.input_storages[storage] <= (t._cdata in g.input_index)
                        for t, storage in zip(targets, storages))
         op = func if in_place else functional
         refs_args, refs_kwargs, sig, shapes = self._refs(op, args, kwargs)
@@ -580,8 +594,7 @@ class _Engine:
         if on_tpu:
             g.inputs.append(t)  # held: its address stays its own while the graph is pending
             g.input_index[t._cdata] = k
-            g.inputs_on[storage] += 1
-            g.input_storages.add(storage)
+            g.input_storages[storage] += 1
         else:
             # A cpu scalar may change before the graph runs (a step count), or be freed and
             # its address taken by another: its value now, an input of its own at each read.
@@ -725,15 +738,7 @@ class _Engine:
                     self.stats.compiled_runs += 1
                 else:
                     self.stats.replayed_runs += 1
-                # A compiled graph may return one tensor for several outputs (two clones of a
-                # value): _fill_deferred would hand its memory to the first, leaving none to copy.
-                shared = {k for k, n in Counter(v._cdata for v in values).items() if n > 1}
-                for b, value in zip(targets, values):
-                    if b.kind != "write" and value._cdata in shared:
-                        value = value.clone()  # memory of its own for this target
-                    if b.kind == "write" or _ops._fill_deferred(b.tensor, value):
-                        _copy_unversioned(b.tensor, value)
-                    del value
+                _fill(targets, values)
                 del values
             self.segments.materialized(settled, reason, at_host_boundary, new_graph=first_run)
 
@@ -746,11 +751,7 @@ class _Engine:
         self.repeats.forget()
         if g.in_place:
             return
-        errors: list[BaseException] = []
-        values = deferred_graph.replay(g, outputs, errors=errors)
-        for b, value in zip(targets, values):
-            if value is not None and (b.kind == "write" or _ops._fill_deferred(b.tensor, value)):
-                _copy_unversioned(b.tensor, value)
+        _fill(targets, deferred_graph.replay(g, outputs, errors=[]))
 
     def host_boundary(self, reason: str, may_sleep: bool | None) -> bool:
         """A host boundary on the recording thread: counted, the pending graph run,

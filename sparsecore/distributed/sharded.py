@@ -70,6 +70,7 @@ class ShardedSparseCoreCollection(nn.Module):
             # Explicit: the lookups run on the executor's thread, whose current device is not ours.
             device = torch.device("tpu", torch.tpu.current_device())
         self._device = device
+        self._is_weighted = module.is_weighted()
 
         def engine(configs, weighted):
             return type(module)(configs, module._optimizer, device,
@@ -81,7 +82,7 @@ class ShardedSparseCoreCollection(nn.Module):
         # the collection is unweighted); a replica sees the local batch, as the collection would.
         self.engine = engine([s.local_config() for s in local], True) if local else None
         # data_parallel tables: a replica here, trained on every rank's row gradients.
-        self.replicas = engine(self._layout.replicated, module.is_weighted()) if self._layout.replicated else None
+        self.replicas = engine(self._layout.replicated, self._is_weighted) if self._layout.replicated else None
         if module._device.type != "meta":
             self._copy_weights(module)
         if self.replicas is not None:
@@ -89,7 +90,6 @@ class ShardedSparseCoreCollection(nn.Module):
                 self.replicas.set_row_exchange(stack.name, functools.partial(merge_across_ranks, group=process_group))
         if isinstance(module._optimizer, RowWiseAdagrad):
             self._share_row_statistics()
-        self._is_weighted = module.is_weighted()
         self._input_dist = InputDist(self._layout, self._rank, process_group, self._is_weighted)
         self._combined_optimizer: KeyedOptimizer | None = None  # see fused_optimizer
 
