@@ -108,6 +108,27 @@ def test_medium_rounds_each_operand_value_as_the_mxu_does():
     assert torch.equal(batched, mxu_operand(x))
 
 
+def test_medium_contiguous_operands_in_whole_panels_round_as_the_mxu_does():
+    # Contiguous operands whose result has whole 64-column panels take the AMX tile
+    # path (TpuBf16Gemm.cpp): the same rounding, flushing and fp32 accumulation.
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(256, 64, generator=g) * 1e3
+    x[0, :4] = torch.tensor([3.38e38, 1e-40, -2.5e-39, 1.00390625])
+    with torch.tpu.precision("medium"):
+        through_identity = (torch.eye(256, device="tpu") @ x.to("tpu")).cpu()
+    assert torch.equal(through_identity, mxu_operand(x))
+    # Rows that fill no whole tile (70), a bias with beta, and a long inner dimension.
+    a, b = torch.randn(70, 1024, generator=g), torch.randn(1024, 192, generator=g)
+    bias = torch.randn(192, generator=g)
+    with torch.tpu.precision("medium"):
+        got_mm = (a.to("tpu") @ b.to("tpu")).cpu()
+        got_addmm = torch.addmm(bias.to("tpu"), a.to("tpu"), b.to("tpu"), beta=0.5).cpu()
+    want = mxu_operand(a).double() @ mxu_operand(b).double()
+    torch.testing.assert_close(got_mm.double(), want, atol=1e-4 * 1024 ** 0.5, rtol=1e-5)
+    torch.testing.assert_close(got_addmm.double(), want + 0.5 * bias.double(), atol=1e-4 * 1024 ** 0.5, rtol=1e-5)
+    assert (got_mm - a @ b).abs().max() > 1e-2  # the check tells bf16 operands from fp32 ones
+
+
 def test_conv_medium_and_its_backward(operands):
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(2, 3, 8, 8, generator=g), torch.randn(4, 3, 3, 3, generator=g)
