@@ -129,6 +129,28 @@ def test_medium_contiguous_operands_in_whole_panels_round_as_the_mxu_does():
     assert (got_mm - a @ b).abs().max() > 1e-2  # the check tells bf16 operands from fp32 ones
 
 
+def test_medium_transposed_operands_in_whole_panels_round_as_the_mxu_does():
+    # A Linear's transposed weight (forward) and transposed activations (weight gradient)
+    # take the tile path too, converted and transposed by the tpu's own kernels.
+    g = torch.Generator().manual_seed(3)
+    y = torch.randn(64, 203, generator=g) * 1e3  # 203: rows that fill no 8x8 block
+    y[:4, 0] = torch.tensor([3.38e38, 1e-40, -2.5e-39, 1.00390625])
+    w = torch.randn(64, 256, generator=g) * 1e3
+    w[0, :4] = y[:4, 0]
+    with torch.tpu.precision("medium"):
+        lhs_transposed = (y.to("tpu").t() @ torch.eye(64, device="tpu")).cpu()
+        rhs_transposed = (torch.eye(256, device="tpu") @ w.to("tpu").t()).cpu()
+    assert torch.equal(lhs_transposed, mxu_operand(y.t()))
+    assert torch.equal(rhs_transposed, mxu_operand(w.t()))
+    # Both transposed, an inner dimension that is no multiple of 8, a bias with beta.
+    activations, weight = torch.randn(134, 70, generator=g), torch.randn(192, 134, generator=g)
+    bias = torch.randn(192, generator=g)
+    with torch.tpu.precision("medium"):
+        got = torch.addmm(bias.to("tpu"), activations.to("tpu").t(), weight.to("tpu").t(), beta=2.0).cpu()
+    want = mxu_operand(activations.t()).double() @ mxu_operand(weight.t()).double() + 2.0 * bias.double()
+    torch.testing.assert_close(got.double(), want, atol=1e-4 * 134 ** 0.5, rtol=1e-5)
+
+
 def test_conv_medium_and_its_backward(operands):
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(2, 3, 8, 8, generator=g), torch.randn(4, 3, 3, 3, generator=g)

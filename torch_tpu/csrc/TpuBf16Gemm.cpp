@@ -11,6 +11,8 @@
 #include <ATen/cpu/Utils.h>
 #include <ATen/native/CPUBlas.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <mutex>
@@ -102,7 +104,8 @@ bool bf16_kernel_in_use() {
 // cpublas::brgemm): operands converted to bf16 once, products accumulated
 // straight into the fp32 result. Through oneDNN's bf16 math mode over fp32
 // operands instead, measured here: 256x256x256 78 -> 47 us, 2048x512x256 587
-// -> 357 us, 1024^3 2.24 -> 1.49 ms, 2048x4096x4096 86 -> 55 ms.
+// -> 357 us, 1024^3 2.24 -> 1.49 ms, 2048x4096x4096 86 -> 55 ms; transposed
+// operands 80-88 -> 49-55 us at 256^3.
 constexpr int64_t kTileRows = 32;  // rows of the result per micro-kernel call
 constexpr int64_t kTileCols = 64;  // columns: one packed panel of b
 
@@ -111,50 +114,153 @@ bool tiles_available() {
   return available;
 }
 
-// Contiguous operands only: ATen's bf16 copy of a transposed 256x256 takes
-// 34 us (7 contiguous), the whole gain. TORCH_TPU_TILE_GEMM=0 turns tiles off.
+// Row-major, or the transpose of a row-major matrix (a Linear's weight in its
+// forward, the activations in its weight gradient).
+bool in_rows(const at::Tensor& t) {
+  return t.is_contiguous();
+}
+
+bool in_columns(const at::Tensor& t) {
+  return t.t().is_contiguous();
+}
+
+// TORCH_TPU_TILE_GEMM=0 turns tiles off.
 bool tiles_take(const at::Tensor& a, const at::Tensor& b, float alpha) {
   static const bool enabled = [] {
     const char* env = std::getenv("TORCH_TPU_TILE_GEMM");
     return env == nullptr || std::string(env) != "0";
   }();
   return enabled && tiles_available() && alpha == 1.0f && b.size(1) % kTileCols == 0 && a.size(1) % 2 == 0 &&
-      a.is_contiguous() && b.is_contiguous();
+      (in_rows(a) || in_columns(a)) && (in_rows(b) || in_columns(b));
+}
+
+// A row-major fp32 matrix as a row-major bf16 one. The conversion rounds to
+// nearest even, as the MXU does; AMX's bf16 products treat subnormal inputs as
+// zero, as round_to_bf16 flushes them.
+at::Tensor bf16_rows(const at::Tensor& t) {
+  return at::_to_copy(t, at::kBFloat16, std::nullopt, std::nullopt, std::nullopt, false,
+                      c10::MemoryFormat::Contiguous);
+}
+
+// dst (cols x rows) = the transpose of src (rows x cols), both row-major with
+// leading dimensions src_ld and dst_ld, in blocks that stay in L1. Our own:
+// ATen's copy of a transposed 256x256 took 34 us against 7 for a plain one.
+template <typename T>
+void transpose_into(const T* src, int64_t rows, int64_t cols, int64_t src_ld, T* dst, int64_t dst_ld) {
+  constexpr int64_t kBlock = 32;
+  for (int64_t i0 = 0; i0 < rows; i0 += kBlock) {
+    const int64_t i1 = std::min(rows, i0 + kBlock);
+    for (int64_t j0 = 0; j0 < cols; j0 += kBlock) {
+      const int64_t j1 = std::min(cols, j0 + kBlock);
+      for (int64_t j = j0; j < j1; ++j) {
+        for (int64_t i = i0; i < i1; ++i) dst[j * dst_ld + i] = src[i * src_ld + j];
+      }
+    }
+  }
+}
+
+// dst (cols x rows, bf16) = the transpose of src (rows x cols, fp32), both
+// row-major with leading dimensions src_ld and dst_ld: 8x8 blocks transposed
+// in registers and converted to bf16 (round to nearest even) on the way out.
+// Only where tiles are (AMX implies AVX512-BF16).
+__attribute__((target("avx2,avx512f,avx512vl,avx512bf16"))) void transpose_to_bf16(
+    const float* src, int64_t rows, int64_t cols, int64_t src_ld, at::BFloat16* dst, int64_t dst_ld) {
+  const int64_t rows8 = rows / 8 * 8, cols8 = cols / 8 * 8;
+  for (int64_t i = 0; i < rows8; i += 8) {
+    for (int64_t j = 0; j < cols8; j += 8) {
+      __m256 r[8], t[8], u[8];
+      for (int q = 0; q < 8; ++q) r[q] = _mm256_loadu_ps(src + (i + q) * src_ld + j);
+      for (int q = 0; q < 4; ++q) {
+        t[2 * q] = _mm256_unpacklo_ps(r[2 * q], r[2 * q + 1]);
+        t[2 * q + 1] = _mm256_unpackhi_ps(r[2 * q], r[2 * q + 1]);
+      }
+      for (int h = 0; h < 2; ++h) {  // rows 0-3 (h = 0) and 4-7
+        u[4 * h + 0] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], _MM_SHUFFLE(3, 2, 3, 2));
+      }
+      for (int q = 0; q < 4; ++q) {
+        const __m256 low = _mm256_permute2f128_ps(u[q], u[4 + q], 0x20);   // column j + q
+        const __m256 high = _mm256_permute2f128_ps(u[q], u[4 + q], 0x31);  // column j + 4 + q
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (j + q) * dst_ld + i), (__m128i)_mm256_cvtneps_pbh(low));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (j + 4 + q) * dst_ld + i),
+                         (__m128i)_mm256_cvtneps_pbh(high));
+      }
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i) {  // the edges
+    for (int64_t j = (i < rows8 ? cols8 : 0); j < cols; ++j) dst[j * dst_ld + i] = at::BFloat16(src[i * src_ld + j]);
+  }
+}
+
+// a (m x k, in rows or columns) as row-major bf16.
+at::Tensor lhs_rows(const at::Tensor& a) {
+  if (in_rows(a)) {
+    return bf16_rows(a);
+  }
+  const int64_t m = a.size(0), k = a.size(1);
+  const at::Tensor columns = a.t();  // (k, m), row-major
+  at::Tensor out = at::empty({m, k}, a.options().dtype(at::kBFloat16));
+  const float* src = columns.const_data_ptr<float>();
+  at::BFloat16* dst = out.mutable_data_ptr<at::BFloat16>();
+  at::parallel_for(0, (m + kTileRows - 1) / kTileRows, 1, [&](int64_t first, int64_t last) {
+    const int64_t c0 = first * kTileRows, c1 = std::min(m, last * kTileRows);
+    transpose_to_bf16(src + c0, k, c1 - c0, m, dst + c0 * k, k);
+  });
+  return out;
+}
+
+// b (k x n, in rows or columns) as n / kTileCols column panels in the
+// micro-kernel's layout: panel p holds b[kk][p * kTileCols + c] at
+// [kk / 2][c][kk % 2], each row pair of a column one 32-bit word. For b in
+// columns (b = w.t(), w row-major), a column's row pairs are adjacent in w:
+// the panel is the transpose of w's rows taken as 32-bit words.
+at::Tensor rhs_panels(const at::Tensor& b) {
+  const int64_t k = b.size(0), n = b.size(1), panels_n = n / kTileCols;
+  if (in_rows(b)) {
+    const at::Tensor rows = bf16_rows(b);
+    at::Tensor panels = at::empty({panels_n, k, kTileCols}, rows.options());
+    const at::BFloat16* rp = rows.const_data_ptr<at::BFloat16>();
+    at::BFloat16* pp = panels.mutable_data_ptr<at::BFloat16>();
+    at::parallel_for(0, panels_n, 1, [&](int64_t first, int64_t last) {
+      for (int64_t p = first; p < last; ++p) {
+        at::native::cpublas::pack(k, kTileCols, n, kTileCols, at::kBFloat16, at::kBFloat16, rp + p * kTileCols,
+                                  pp + p * k * kTileCols);
+      }
+    });
+    return panels;
+  }
+  const at::Tensor w = bf16_rows(b.t());  // (n, k)
+  at::Tensor panels = at::empty({panels_n, k, kTileCols}, w.options());
+  const auto* src = reinterpret_cast<const uint32_t*>(w.const_data_ptr<at::BFloat16>());
+  auto* dst = reinterpret_cast<uint32_t*>(panels.mutable_data_ptr<at::BFloat16>());
+  const int64_t pairs = k / 2;
+  at::parallel_for(0, panels_n, 1, [&](int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; ++p) {
+      transpose_into(src + p * kTileCols * pairs, kTileCols, pairs, pairs, dst + p * pairs * kTileCols, kTileCols);
+    }
+  });
+  return panels;
 }
 
 // out (fp32, contiguous (m, n)) = beta * out + bf16(a) @ bf16(b); beta 0
-// ignores out's contents. a and b contiguous (tiles_take).
+// ignores out's contents. a and b in rows or columns (tiles_take).
 void tiles_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, float beta) {
-  using at::native::cpublas::brgemm;
   const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
-  // bf16 conversion rounds to nearest even, as the MXU does; AMX's bf16 products
-  // treat subnormal inputs as zero, as round_to_bf16 flushes them.
-  const auto contiguous_bf16 = [](const at::Tensor& t) {
-    return at::_to_copy(t, at::kBFloat16, std::nullopt, std::nullopt, std::nullopt, false,
-                        c10::MemoryFormat::Contiguous);
-  };
-  const at::Tensor lhs = contiguous_bf16(a), rhs = contiguous_bf16(b);
-  // b as column panels of kTileCols, each in the micro-kernel's pair-interleaved layout.
-  at::Tensor panels = at::empty({n / kTileCols, k, kTileCols}, rhs.options());
-  const at::BFloat16* rp = rhs.const_data_ptr<at::BFloat16>();
-  at::BFloat16* pp = panels.mutable_data_ptr<at::BFloat16>();
-  at::parallel_for(0, n / kTileCols, 1, [&](int64_t first, int64_t last) {
-    for (int64_t p = first; p < last; ++p) {
-      at::native::cpublas::pack(k, kTileCols, n, kTileCols, at::kBFloat16, at::kBFloat16, rp + p * kTileCols,
-                                pp + p * k * kTileCols);
-    }
-  });
+  const at::Tensor lhs = lhs_rows(a), panels = rhs_panels(b);
   if (beta != 0.0f && beta != 1.0f) {
     out.mul_(beta);
   }
   const at::BFloat16* ap = lhs.const_data_ptr<at::BFloat16>();
+  const at::BFloat16* pp = panels.const_data_ptr<at::BFloat16>();
   float* op = out.mutable_data_ptr<float>();
   const int64_t row_tiles = (m + kTileRows - 1) / kTileRows, col_tiles = n / kTileCols;
   at::parallel_for(0, row_tiles * col_tiles, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       const int64_t r = t / col_tiles * kTileRows, c = t % col_tiles;
-      brgemm(std::min(kTileRows, m - r), kTileCols, k, k, kTileCols, n, beta != 0.0f, ap + r * k,
-             pp + c * k * kTileCols, op + r * n + c * kTileCols, true);
+      at::native::cpublas::brgemm(std::min(kTileRows, m - r), kTileCols, k, k, kTileCols, n, beta != 0.0f,
+                                  ap + r * k, pp + c * k * kTileCols, op + r * n + c * kTileCols, true);
     }
     at::native::cpublas::brgemm_release(true);
   });
