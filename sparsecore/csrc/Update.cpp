@@ -315,6 +315,13 @@ struct StatePointers {
   }
 };
 
+// Asks for table row r and its state ahead of the optimizer's step on them.
+template <typename scalar_t>
+void prefetch_step(const scalar_t* table, int64_t r, int64_t dim, const StatePointers& st) {
+  prefetch_bytes(table + r * dim, dim * static_cast<int64_t>(sizeof(scalar_t)));
+  st.prefetch(r, dim);
+}
+
 // step: int64 [1], the stack's update count, incremented here (Adam's bias
 // correction). hyper: float64 [6] on the host (see Hyper), so the learning
 // rate can change between steps without a new graph.
@@ -337,10 +344,7 @@ void backward_update(const at::Tensor& weight, at::TensorList state, const at::T
           [&](int64_t r, const float* g, int64_t) {
             step_row<scalar_t, kDim>(table + r * dim, g, dim, optimizer, h, st.first(r), st.second(r, dim));
           },
-          [&](int64_t r) {
-            prefetch_bytes(table + r * dim, dim * static_cast<int64_t>(sizeof(scalar_t)));
-            st.prefetch(r, dim);
-          },
+          [&](int64_t r) { prefetch_step(table, r, dim, st); },
           [](int64_t) { return int64_t{0}; });
     });
   });
@@ -399,6 +403,7 @@ void apply_rows(const at::Tensor& weight, at::TensorList state, const at::Tensor
     with_row_width(dim, [&](auto width) {
       parallel_for(0, r.numel(), 256, [&](int64_t first, int64_t last) {
         for (int64_t i = first; i < last; ++i) {
+          if (i + kRowPrefetchDistance < last) prefetch_step(table, rp[i + kRowPrefetchDistance], dim, st);
           const int64_t row = rp[i];
           step_row<scalar_t, decltype(width)::value>(table + row * dim, gp + i * dim, dim, optimizer, h,
                                                      st.first(row), st.second(row, dim), mp ? mp + i : nullptr);
