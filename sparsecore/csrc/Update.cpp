@@ -35,10 +35,11 @@ namespace {
 // for, and how many touched rows ahead of the one stepped its table and state
 // rows are (prefetch_bytes). Rows a range touches are far apart in the table,
 // and a step without its row in cache waits the whole DRAM latency. Measured
-// (d64, batch 8192, pooling 20, row-wise Adagrad, backward alone): entries 16
-// -> 64 ahead took the Zipf 1.2 backward from 30.2 to 28.5 ms and uniform from
-// 77.1 to 75.2; table rows 16 ahead then took uniform to 58.7 and Zipf 1.2 to
-// 28.2 (4 ahead: 63.2 and 29.0).
+// (d64, batch 8192, pooling 20, row-wise Adagrad, backward alone, medians):
+// entries 16 -> 64 ahead took the Zipf 1.2 backward from 30.2 to 28.5 ms and
+// uniform from 77.1 to 75.2; then table rows 16 ahead (none before) took
+// uniform from 75.9 to 63.4 ms and Zipf 1.2 from 32.3 to 30.9 (8 ahead: 63.7
+// and 31.0; 32: 63.4 and 30.9).
 constexpr int64_t kGradPrefetchDistance = 64;
 constexpr int64_t kRowPrefetchDistance = 16;
 
