@@ -151,6 +151,28 @@ def test_medium_transposed_operands_in_whole_panels_round_as_the_mxu_does():
     torch.testing.assert_close(got.double(), want, atol=1e-4 * 134 ** 0.5, rtol=1e-5)
 
 
+def test_medium_bmm_in_whole_panels_rounds_as_the_mxu_does():
+    # Attention's shapes: batches of row-major or transposed matrices on the tile path.
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 70, 64, generator=g) * 1e3
+    x[1, 0, :4] = torch.tensor([3.38e38, 1e-40, -2.5e-39, 1.00390625])
+    eye = torch.eye(70).expand(3, 70, 70).contiguous()
+    with torch.tpu.precision("medium"):
+        rows = torch.bmm(eye.to("tpu"), x.to("tpu")).cpu()
+        columns = torch.bmm(x.to("tpu").transpose(1, 2).contiguous().transpose(1, 2),
+                            torch.eye(64).expand(3, 64, 64).contiguous().to("tpu")).cpu()
+    assert torch.equal(rows, mxu_operand(x)) and torch.equal(columns, mxu_operand(x))
+    q, k = torch.randn(5, 40, 34, generator=g), torch.randn(5, 128, 34, generator=g)
+    v = torch.randn(5, 40, 128, generator=g)
+    with torch.tpu.precision("medium"):
+        scores = torch.bmm(q.to("tpu"), k.to("tpu").transpose(1, 2)).cpu()
+        values = torch.bmm(q.to("tpu").transpose(1, 2), v.to("tpu")).cpu()
+    torch.testing.assert_close(scores.double(), mxu_operand(q).double() @ mxu_operand(k).double().transpose(1, 2),
+                               atol=1e-4 * 34 ** 0.5, rtol=1e-5)
+    torch.testing.assert_close(values.double(), mxu_operand(q).double().transpose(1, 2) @ mxu_operand(v).double(),
+                               atol=1e-4 * 40 ** 0.5, rtol=1e-5)
+
+
 def test_conv_medium_and_its_backward(operands):
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(2, 3, 8, 8, generator=g), torch.randn(4, 3, 3, 3, generator=g)

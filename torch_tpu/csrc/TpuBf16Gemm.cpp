@@ -114,27 +114,29 @@ bool tiles_available() {
   return available;
 }
 
-// Row-major, or the transpose of a row-major matrix (a Linear's weight in its
-// forward, the activations in its weight gradient).
+// A matrix (or each of a batch, the last two dimensions) row-major, or the
+// transpose of a row-major one (a Linear's weight in its forward, the
+// activations in its weight gradient, attention's keys).
 bool in_rows(const at::Tensor& t) {
   return t.is_contiguous();
 }
 
 bool in_columns(const at::Tensor& t) {
-  return t.t().is_contiguous();
+  return t.transpose(-2, -1).is_contiguous();
 }
 
-// TORCH_TPU_TILE_GEMM=0 turns tiles off.
+// a (..., m, k) @ b (..., k, n), 2-D or batched alike. TORCH_TPU_TILE_GEMM=0
+// turns tiles off.
 bool tiles_take(const at::Tensor& a, const at::Tensor& b, float alpha) {
   static const bool enabled = [] {
     const char* env = std::getenv("TORCH_TPU_TILE_GEMM");
     return env == nullptr || std::string(env) != "0";
   }();
-  return enabled && tiles_available() && alpha == 1.0f && b.size(1) % kTileCols == 0 && a.size(1) % 2 == 0 &&
+  return enabled && tiles_available() && alpha == 1.0f && b.size(-1) % kTileCols == 0 && a.size(-1) % 2 == 0 &&
       (in_rows(a) || in_columns(a)) && (in_rows(b) || in_columns(b));
 }
 
-// A row-major fp32 matrix as a row-major bf16 one. The conversion rounds to
+// A row-major fp32 tensor as a row-major bf16 one. The conversion rounds to
 // nearest even, as the MXU does; AMX's bf16 products treat subnormal inputs as
 // zero, as round_to_bf16 flushes them.
 at::Tensor bf16_rows(const at::Tensor& t) {
@@ -194,60 +196,61 @@ __attribute__((target("avx2,avx512f,avx512vl,avx512bf16"))) void transpose_to_bf
   }
 }
 
-// a (m x k, in rows or columns) as row-major bf16.
+// a (batch, m, k), in rows or columns, as row-major bf16 matrices.
 at::Tensor lhs_rows(const at::Tensor& a) {
   if (in_rows(a)) {
     return bf16_rows(a);
   }
-  const int64_t m = a.size(0), k = a.size(1);
-  const at::Tensor columns = a.t();  // (k, m), row-major
-  at::Tensor out = at::empty({m, k}, a.options().dtype(at::kBFloat16));
+  const int64_t batch = a.size(0), m = a.size(1), k = a.size(2);
+  const at::Tensor columns = a.transpose(1, 2);  // (batch, k, m), row-major
+  at::Tensor out = at::empty({batch, m, k}, a.options().dtype(at::kBFloat16));
   const float* src = columns.const_data_ptr<float>();
   at::BFloat16* dst = out.mutable_data_ptr<at::BFloat16>();
-  at::parallel_for(0, (m + kTileRows - 1) / kTileRows, 1, [&](int64_t first, int64_t last) {
-    const int64_t c0 = first * kTileRows, c1 = std::min(m, last * kTileRows);
-    transpose_to_bf16(src + c0, k, c1 - c0, m, dst + c0 * k, k);
+  const int64_t blocks = (m + kTileRows - 1) / kTileRows;  // of rows of the result, per matrix
+  at::parallel_for(0, batch * blocks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t e = task / blocks, c0 = task % blocks * kTileRows, c1 = std::min(m, c0 + kTileRows);
+      transpose_to_bf16(src + e * k * m + c0, k, c1 - c0, m, dst + e * m * k + c0 * k, k);
+    }
   });
   return out;
 }
 
-// b (k x n, in rows or columns) as n / kTileCols column panels in the
-// micro-kernel's layout: panel p holds b[kk][p * kTileCols + c] at
-// [kk / 2][c][kk % 2], each row pair of a column one 32-bit word. For b in
+// b (batch, k, n), in rows or columns, as n / kTileCols column panels a
+// matrix in the micro-kernel's layout: panel p holds b[kk][p * kTileCols + c]
+// at [kk / 2][c][kk % 2], each row pair of a column one 32-bit word. For b in
 // columns (b = w.t(), w row-major), a column's row pairs are adjacent in w:
 // the panel is the transpose of w's rows taken as 32-bit words.
 at::Tensor rhs_panels(const at::Tensor& b) {
-  const int64_t k = b.size(0), n = b.size(1), panels_n = n / kTileCols;
-  if (in_rows(b)) {
-    const at::Tensor rows = bf16_rows(b);
-    at::Tensor panels = at::empty({panels_n, k, kTileCols}, rows.options());
-    const at::BFloat16* rp = rows.const_data_ptr<at::BFloat16>();
-    at::BFloat16* pp = panels.mutable_data_ptr<at::BFloat16>();
-    at::parallel_for(0, panels_n, 1, [&](int64_t first, int64_t last) {
-      for (int64_t p = first; p < last; ++p) {
-        at::native::cpublas::pack(k, kTileCols, n, kTileCols, at::kBFloat16, at::kBFloat16, rp + p * kTileCols,
-                                  pp + p * k * kTileCols);
-      }
-    });
-    return panels;
-  }
-  const at::Tensor w = bf16_rows(b.t());  // (n, k)
-  at::Tensor panels = at::empty({panels_n, k, kTileCols}, w.options());
-  const auto* src = reinterpret_cast<const uint32_t*>(w.const_data_ptr<at::BFloat16>());
-  auto* dst = reinterpret_cast<uint32_t*>(panels.mutable_data_ptr<at::BFloat16>());
+  const int64_t batch = b.size(0), k = b.size(1), n = b.size(2), panels_n = n / kTileCols;
+  const bool rows_in = in_rows(b);
+  const at::Tensor source = bf16_rows(rows_in ? b : b.transpose(1, 2));  // (batch, k, n) or (batch, n, k)
+  at::Tensor panels = at::empty({batch, panels_n, k, kTileCols}, source.options());
+  const at::BFloat16* sp = source.const_data_ptr<at::BFloat16>();
+  at::BFloat16* pp = panels.mutable_data_ptr<at::BFloat16>();
   const int64_t pairs = k / 2;
-  at::parallel_for(0, panels_n, 1, [&](int64_t first, int64_t last) {
-    for (int64_t p = first; p < last; ++p) {
-      transpose_into(src + p * kTileCols * pairs, kTileCols, pairs, pairs, dst + p * pairs * kTileCols, kTileCols);
+  at::parallel_for(0, batch * panels_n, 1, [&](int64_t first, int64_t last) {
+    for (int64_t task = first; task < last; ++task) {
+      const at::BFloat16* matrix = sp + task / panels_n * k * n;
+      const int64_t p = task % panels_n;
+      at::BFloat16* panel = pp + task * k * kTileCols;
+      if (rows_in) {
+        at::native::cpublas::pack(k, kTileCols, n, kTileCols, at::kBFloat16, at::kBFloat16, matrix + p * kTileCols,
+                                  panel);
+      } else {
+        transpose_into(reinterpret_cast<const uint32_t*>(matrix) + p * kTileCols * pairs, kTileCols, pairs, pairs,
+                       reinterpret_cast<uint32_t*>(panel), kTileCols);
+      }
     }
   });
   return panels;
 }
 
-// out (fp32, contiguous (m, n)) = beta * out + bf16(a) @ bf16(b); beta 0
-// ignores out's contents. a and b in rows or columns (tiles_take).
+// out (fp32, contiguous (batch, m, n)) = beta * out + bf16(a) @ bf16(b) for
+// a (batch, m, k) and b (batch, k, n) in rows or columns (tiles_take); beta 0
+// ignores out's contents.
 void tiles_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, float beta) {
-  const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  const int64_t batch = a.size(0), m = a.size(1), k = a.size(2), n = b.size(2);
   const at::Tensor lhs = lhs_rows(a), panels = rhs_panels(b);
   if (beta != 0.0f && beta != 1.0f) {
     out.mul_(beta);
@@ -256,11 +259,13 @@ void tiles_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out,
   const at::BFloat16* pp = panels.const_data_ptr<at::BFloat16>();
   float* op = out.mutable_data_ptr<float>();
   const int64_t row_tiles = (m + kTileRows - 1) / kTileRows, col_tiles = n / kTileCols;
-  at::parallel_for(0, row_tiles * col_tiles, 1, [&](int64_t first, int64_t last) {
+  const int64_t tiles = row_tiles * col_tiles;
+  at::parallel_for(0, batch * tiles, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
-      const int64_t r = t / col_tiles * kTileRows, c = t % col_tiles;
+      const int64_t e = t / tiles, r = t % tiles / col_tiles * kTileRows, c = t % col_tiles;
       at::native::cpublas::brgemm(std::min(kTileRows, m - r), kTileCols, k, k, kTileCols, n, beta != 0.0f,
-                                  ap + r * k, pp + c * k * kTileCols, op + r * n + c * kTileCols, true);
+                                  ap + (e * m + r) * k, pp + (e * col_tiles + c) * k * kTileCols,
+                                  op + (e * m + r) * n + c * kTileCols, true);
     }
     at::native::cpublas::brgemm_release(true);
   });
@@ -289,7 +294,7 @@ at::Tensor bf16_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
     out = at::empty({m, n}, a.options());
   }
   if (tiles_take(a, b, alpha)) {
-    tiles_gemm(a, b, out, gemm_beta);
+    tiles_gemm(a.unsqueeze(0), b.unsqueeze(0), out.unsqueeze(0), gemm_beta);
     return out;
   }
   if (bf16_kernel_in_use()) {  // packing reads any strides and rounds on the way
@@ -317,6 +322,10 @@ at::Tensor bf16_bmm(const at::Tensor& a, const at::Tensor& b) {
   }
   if (k == 0) {
     return out.zero_();
+  }
+  if (tiles_take(a, b, 1.0f)) {
+    tiles_gemm(a, b, out, 0.0f);
+    return out;
   }
   if (!bf16_kernel_in_use()) {
     onednn_bf16_matmul(a, b, out, 0.0f, 1.0f);
