@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <mutex>
 #include <string>
+#include <vector>
 
 namespace at::native {
 // Exported by libtorch_cpu (ATen/native/mkldnn/Matmul.h is not shipped):
@@ -101,11 +102,12 @@ bool bf16_kernel_in_use() {
 }
 
 // GEMMs on AMX tiles through oneDNN's batch-reduce micro-kernel (ATen's
-// cpublas::brgemm): operands converted to bf16 once, products accumulated
-// straight into the fp32 result. Through oneDNN's bf16 math mode over fp32
-// operands instead, measured here: 256x256x256 78 -> 47 us, 2048x512x256 587
-// -> 357 us, 1024^3 2.24 -> 1.49 ms, 2048x4096x4096 86 -> 55 ms; transposed
-// operands 80-88 -> 49-55 us at 256^3.
+// cpublas::brgemm): operands converted to bf16 block by block where they are
+// used, products accumulated straight into the fp32 result. Against oneDNN's
+// bf16 math mode over fp32 operands, measured here: 256^3 78-88 -> 44-46 us
+// (row-major or transposed operands), 2048x512x256 587 -> 318 us, 1024^3 2.24
+// -> 1.57 ms, 2048x4096x4096 86 -> 57 ms; attention's bmm, 128 x (128x64 @
+// 64x128), 827 -> 468 us.
 constexpr int64_t kTileRows = 32;  // rows of the result per micro-kernel call
 constexpr int64_t kTileCols = 64;  // columns: one packed panel of b
 
@@ -136,58 +138,60 @@ bool tiles_take(const at::Tensor& a, const at::Tensor& b, float alpha) {
       (in_rows(a) || in_columns(a)) && (in_rows(b) || in_columns(b));
 }
 
-// A row-major fp32 tensor as a row-major bf16 one. The conversion rounds to
-// nearest even, as the MXU does; AMX's bf16 products treat subnormal inputs as
-// zero, as round_to_bf16 flushes them.
-at::Tensor bf16_rows(const at::Tensor& t) {
-  return at::_to_copy(t, at::kBFloat16, std::nullopt, std::nullopt, std::nullopt, false,
-                      c10::MemoryFormat::Contiguous);
+// The 8x8 block of 32-bit values at src (rows src_ld apart) transposed in
+// registers: out[q] is the block's column q.
+__attribute__((target("avx2"), always_inline)) inline void transpose8x8(const float* src, int64_t src_ld,
+                                                                        __m256 out[8]) {
+  __m256 r[8], t[8], u[8];
+  for (int q = 0; q < 8; ++q) r[q] = _mm256_loadu_ps(src + q * src_ld);
+  for (int q = 0; q < 4; ++q) {
+    t[2 * q] = _mm256_unpacklo_ps(r[2 * q], r[2 * q + 1]);
+    t[2 * q + 1] = _mm256_unpackhi_ps(r[2 * q], r[2 * q + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // rows 0-3 (h = 0) and 4-7
+    u[4 * h + 0] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int q = 0; q < 4; ++q) {
+    out[q] = _mm256_permute2f128_ps(u[q], u[4 + q], 0x20);
+    out[4 + q] = _mm256_permute2f128_ps(u[q], u[4 + q], 0x31);
+  }
 }
 
-// dst (cols x rows) = the transpose of src (rows x cols), both row-major with
-// leading dimensions src_ld and dst_ld, in blocks that stay in L1. Our own:
-// ATen's copy of a transposed 256x256 took 34 us against 7 for a plain one.
-template <typename T>
-void transpose_into(const T* src, int64_t rows, int64_t cols, int64_t src_ld, T* dst, int64_t dst_ld) {
-  constexpr int64_t kBlock = 32;
-  for (int64_t i0 = 0; i0 < rows; i0 += kBlock) {
-    const int64_t i1 = std::min(rows, i0 + kBlock);
-    for (int64_t j0 = 0; j0 < cols; j0 += kBlock) {
-      const int64_t j1 = std::min(cols, j0 + kBlock);
-      for (int64_t j = j0; j < j1; ++j) {
-        for (int64_t i = i0; i < i1; ++i) dst[j * dst_ld + i] = src[i * src_ld + j];
-      }
+// dst (cols x rows) = the transpose of src (rows x cols), 32-bit words (bf16
+// pairs), both row-major with leading dimensions src_ld and dst_ld.
+__attribute__((target("avx2"))) void transpose_words(const uint32_t* src, int64_t rows, int64_t cols,
+                                                     int64_t src_ld, uint32_t* dst, int64_t dst_ld) {
+  const int64_t rows8 = rows / 8 * 8, cols8 = cols / 8 * 8;
+  for (int64_t i = 0; i < rows8; i += 8) {
+    for (int64_t j = 0; j < cols8; j += 8) {
+      __m256 column[8];
+      transpose8x8(reinterpret_cast<const float*>(src + i * src_ld + j), src_ld, column);
+      for (int q = 0; q < 8; ++q) _mm256_storeu_ps(reinterpret_cast<float*>(dst + (j + q) * dst_ld + i), column[q]);
     }
+  }
+  for (int64_t i = 0; i < rows; ++i) {  // the edges
+    for (int64_t j = (i < rows8 ? cols8 : 0); j < cols; ++j) dst[j * dst_ld + i] = src[i * src_ld + j];
   }
 }
 
 // dst (cols x rows, bf16) = the transpose of src (rows x cols, fp32), both
-// row-major with leading dimensions src_ld and dst_ld: 8x8 blocks transposed
-// in registers and converted to bf16 (round to nearest even) on the way out.
-// Only where tiles are (AMX implies AVX512-BF16).
+// row-major with leading dimensions src_ld and dst_ld, converted to bf16
+// (round to nearest even) on the way out. Only where tiles are (AMX implies
+// AVX512-BF16). Our own: ATen's copy of a transposed 256x256 took 34 us
+// against 7 for a plain one.
 __attribute__((target("avx2,avx512f,avx512vl,avx512bf16"))) void transpose_to_bf16(
     const float* src, int64_t rows, int64_t cols, int64_t src_ld, at::BFloat16* dst, int64_t dst_ld) {
   const int64_t rows8 = rows / 8 * 8, cols8 = cols / 8 * 8;
   for (int64_t i = 0; i < rows8; i += 8) {
     for (int64_t j = 0; j < cols8; j += 8) {
-      __m256 r[8], t[8], u[8];
-      for (int q = 0; q < 8; ++q) r[q] = _mm256_loadu_ps(src + (i + q) * src_ld + j);
-      for (int q = 0; q < 4; ++q) {
-        t[2 * q] = _mm256_unpacklo_ps(r[2 * q], r[2 * q + 1]);
-        t[2 * q + 1] = _mm256_unpackhi_ps(r[2 * q], r[2 * q + 1]);
-      }
-      for (int h = 0; h < 2; ++h) {  // rows 0-3 (h = 0) and 4-7
-        u[4 * h + 0] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], _MM_SHUFFLE(1, 0, 1, 0));
-        u[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], _MM_SHUFFLE(3, 2, 3, 2));
-        u[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], _MM_SHUFFLE(1, 0, 1, 0));
-        u[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], _MM_SHUFFLE(3, 2, 3, 2));
-      }
-      for (int q = 0; q < 4; ++q) {
-        const __m256 low = _mm256_permute2f128_ps(u[q], u[4 + q], 0x20);   // column j + q
-        const __m256 high = _mm256_permute2f128_ps(u[q], u[4 + q], 0x31);  // column j + 4 + q
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (j + q) * dst_ld + i), (__m128i)_mm256_cvtneps_pbh(low));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (j + 4 + q) * dst_ld + i),
-                         (__m128i)_mm256_cvtneps_pbh(high));
+      __m256 column[8];
+      transpose8x8(src + i * src_ld + j, src_ld, column);
+      for (int q = 0; q < 8; ++q) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (j + q) * dst_ld + i),
+                         (__m128i)_mm256_cvtneps_pbh(column[q]));
       }
     }
   }
@@ -196,24 +200,25 @@ __attribute__((target("avx2,avx512f,avx512vl,avx512bf16"))) void transpose_to_bf
   }
 }
 
-// a (batch, m, k), in rows or columns, as row-major bf16 matrices.
-at::Tensor lhs_rows(const at::Tensor& a) {
-  if (in_rows(a)) {
-    return bf16_rows(a);
+// dst[0, n) = bf16(src[0, n)), round to nearest even, 16 at a time.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void to_bf16(const float* src, int64_t n,
+                                                                           at::BFloat16* dst) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
   }
-  const int64_t batch = a.size(0), m = a.size(1), k = a.size(2);
-  const at::Tensor columns = a.transpose(1, 2);  // (batch, k, m), row-major
-  at::Tensor out = at::empty({batch, m, k}, a.options().dtype(at::kBFloat16));
-  const float* src = columns.const_data_ptr<float>();
-  at::BFloat16* dst = out.mutable_data_ptr<at::BFloat16>();
-  const int64_t blocks = (m + kTileRows - 1) / kTileRows;  // of rows of the result, per matrix
-  at::parallel_for(0, batch * blocks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t task = first; task < last; ++task) {
-      const int64_t e = task / blocks, c0 = task % blocks * kTileRows, c1 = std::min(m, c0 + kTileRows);
-      transpose_to_bf16(src + e * k * m + c0, k, c1 - c0, m, dst + e * m * k + c0 * k, k);
-    }
-  });
-  return out;
+  if (i < n) {
+    const __mmask16 rest = static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm256_mask_storeu_epi16(dst + i, rest, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(rest, src + i)));
+  }
+}
+
+// Per thread, reused: a block of an operand in bf16, converted where it is used
+// (in L1 or L2) rather than the whole operand through memory first.
+at::BFloat16* scratch(size_t n) {
+  thread_local std::vector<at::BFloat16> buffer;
+  if (buffer.size() < n) buffer.resize(n);
+  return buffer.data();
 }
 
 // b (batch, k, n), in rows or columns, as n / kTileCols column panels a
@@ -224,22 +229,23 @@ at::Tensor lhs_rows(const at::Tensor& a) {
 at::Tensor rhs_panels(const at::Tensor& b) {
   const int64_t batch = b.size(0), k = b.size(1), n = b.size(2), panels_n = n / kTileCols;
   const bool rows_in = in_rows(b);
-  const at::Tensor source = bf16_rows(rows_in ? b : b.transpose(1, 2));  // (batch, k, n) or (batch, n, k)
-  at::Tensor panels = at::empty({batch, panels_n, k, kTileCols}, source.options());
-  const at::BFloat16* sp = source.const_data_ptr<at::BFloat16>();
+  const float* source = (rows_in ? b : b.transpose(1, 2)).const_data_ptr<float>();  // (batch, k, n) or (batch, n, k)
+  at::Tensor panels = at::empty({batch, panels_n, k, kTileCols}, b.options().dtype(at::kBFloat16));
   at::BFloat16* pp = panels.mutable_data_ptr<at::BFloat16>();
   const int64_t pairs = k / 2;
   at::parallel_for(0, batch * panels_n, 1, [&](int64_t first, int64_t last) {
+    at::BFloat16* block = scratch(k * kTileCols);
     for (int64_t task = first; task < last; ++task) {
-      const at::BFloat16* matrix = sp + task / panels_n * k * n;
+      const float* matrix = source + task / panels_n * k * n;
       const int64_t p = task % panels_n;
       at::BFloat16* panel = pp + task * k * kTileCols;
-      if (rows_in) {
-        at::native::cpublas::pack(k, kTileCols, n, kTileCols, at::kBFloat16, at::kBFloat16, matrix + p * kTileCols,
-                                  panel);
-      } else {
-        transpose_into(reinterpret_cast<const uint32_t*>(matrix) + p * kTileCols * pairs, kTileCols, pairs, pairs,
-                       reinterpret_cast<uint32_t*>(panel), kTileCols);
+      if (rows_in) {  // the panel's columns, k rows of kTileCols
+        for (int64_t kk = 0; kk < k; ++kk) to_bf16(matrix + kk * n + p * kTileCols, kTileCols, block + kk * kTileCols);
+        at::native::cpublas::pack(k, kTileCols, kTileCols, kTileCols, at::kBFloat16, at::kBFloat16, block, panel);
+      } else {  // the panel's kTileCols rows of w, k long
+        to_bf16(matrix + p * kTileCols * k, kTileCols * k, block);
+        transpose_words(reinterpret_cast<const uint32_t*>(block), kTileCols, pairs, pairs,
+                        reinterpret_cast<uint32_t*>(panel), kTileCols);
       }
     }
   });
@@ -248,24 +254,34 @@ at::Tensor rhs_panels(const at::Tensor& b) {
 
 // out (fp32, contiguous (batch, m, n)) = beta * out + bf16(a) @ bf16(b) for
 // a (batch, m, k) and b (batch, k, n) in rows or columns (tiles_take); beta 0
-// ignores out's contents.
+// ignores out's contents. A task is kTileRows rows of one result: a's rows
+// converted once into a block, then every panel of b.
 void tiles_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, float beta) {
   const int64_t batch = a.size(0), m = a.size(1), k = a.size(2), n = b.size(2);
-  const at::Tensor lhs = lhs_rows(a), panels = rhs_panels(b);
+  const at::Tensor panels = rhs_panels(b);
   if (beta != 0.0f && beta != 1.0f) {
     out.mul_(beta);
   }
-  const at::BFloat16* ap = lhs.const_data_ptr<at::BFloat16>();
+  const bool rows_in = in_rows(a);
+  const float* source = (rows_in ? a : a.transpose(1, 2)).const_data_ptr<float>();  // (batch, m, k) or (batch, k, m)
   const at::BFloat16* pp = panels.const_data_ptr<at::BFloat16>();
   float* op = out.mutable_data_ptr<float>();
   const int64_t row_tiles = (m + kTileRows - 1) / kTileRows, col_tiles = n / kTileCols;
-  const int64_t tiles = row_tiles * col_tiles;
-  at::parallel_for(0, batch * tiles, 1, [&](int64_t first, int64_t last) {
-    for (int64_t t = first; t < last; ++t) {
-      const int64_t e = t / tiles, r = t % tiles / col_tiles * kTileRows, c = t % col_tiles;
-      at::native::cpublas::brgemm(std::min(kTileRows, m - r), kTileCols, k, k, kTileCols, n, beta != 0.0f,
-                                  ap + (e * m + r) * k, pp + (e * col_tiles + c) * k * kTileCols,
-                                  op + (e * m + r) * n + c * kTileCols, true);
+  at::parallel_for(0, batch * row_tiles, 1, [&](int64_t first, int64_t last) {
+    at::BFloat16* block = scratch(kTileRows * k);
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t e = task / row_tiles, r = task % row_tiles * kTileRows, rows = std::min(kTileRows, m - r);
+      const float* matrix = source + e * m * k;
+      if (rows_in) {
+        to_bf16(matrix + r * k, rows * k, block);
+      } else {
+        transpose_to_bf16(matrix + r, k, rows, m, block, k);
+      }
+      for (int64_t c = 0; c < col_tiles; ++c) {
+        at::native::cpublas::brgemm(rows, kTileCols, k, k, kTileCols, n, beta != 0.0f, block,
+                                    pp + (e * col_tiles + c) * k * kTileCols, op + (e * m + r) * n + c * kTileCols,
+                                    true);
+      }
     }
     at::native::cpublas::brgemm_release(true);
   });
