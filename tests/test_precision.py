@@ -173,6 +173,38 @@ def test_medium_bmm_in_whole_panels_rounds_as_the_mxu_does():
                                atol=1e-4 * 40 ** 0.5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("m, k, n", [(70, 65, 100), (33, 13, 512), (40, 415, 130), (2, 1, 1), (1, 256, 7)])
+@pytest.mark.parametrize("layout", ["rows", "a transposed", "b transposed"])
+def test_medium_odd_inner_dimensions_and_partial_panels(m, k, n, layout):
+    # An odd inner dimension (a zero pair member) and a last panel of fewer than 64
+    # columns (computed aside, copied in): DLRM's 415-wide and 13-wide layers.
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    a, b, bias = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g), torch.randn(n, generator=g)
+    at, bt = a.to("tpu"), b.to("tpu")
+    if layout == "a transposed":
+        at = a.t().contiguous().to("tpu").t()
+    if layout == "b transposed":
+        bt = b.t().contiguous().to("tpu").t()
+    with torch.tpu.precision("medium"):
+        got_mm = (at @ bt).cpu()
+        got_addmm = torch.addmm(bias.to("tpu"), at, bt, beta=0.5).cpu()
+    want = mxu_operand(a).double() @ mxu_operand(b).double()
+    tolerance = dict(atol=1e-4 * max(1, k ** 0.5), rtol=1e-5)
+    torch.testing.assert_close(got_mm.double(), want, **tolerance)
+    torch.testing.assert_close(got_addmm.double(), want + 0.5 * bias.double(), **tolerance)
+
+
+def test_medium_partial_panel_and_odd_k_round_as_the_mxu_does():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(65, 100, generator=g) * 1e3  # 65 rows: an odd inner dimension below
+    x[0, :4] = torch.tensor([3.38e38, 1e-40, -2.5e-39, 1.00390625])
+    with torch.tpu.precision("medium"):
+        through_identity = (torch.eye(65, device="tpu") @ x.to("tpu")).cpu()
+        transposed = (x.to("tpu").t() @ torch.eye(65, device="tpu")).cpu()
+    assert torch.equal(through_identity, mxu_operand(x))
+    assert torch.equal(transposed, mxu_operand(x.t()))
+
+
 def test_conv_medium_and_its_backward(operands):
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(2, 3, 8, 8, generator=g), torch.randn(4, 3, 3, 3, generator=g)

@@ -134,8 +134,14 @@ bool tiles_take(const at::Tensor& a, const at::Tensor& b, float alpha) {
     const char* env = std::getenv("TORCH_TPU_TILE_GEMM");
     return env == nullptr || std::string(env) != "0";
   }();
-  return enabled && tiles_available() && alpha == 1.0f && b.size(-1) % kTileCols == 0 && a.size(-1) % 2 == 0 &&
-      (in_rows(a) || in_columns(a)) && (in_rows(b) || in_columns(b));
+  return enabled && tiles_available() && alpha == 1.0f && (in_rows(a) || in_columns(a)) &&
+      (in_rows(b) || in_columns(b));
+}
+
+// The micro-kernel multiplies row pairs: an odd inner dimension gets a zero
+// row (of b) and column (of a).
+int64_t even(int64_t k) {
+  return k + (k & 1);
 }
 
 // The 8x8 block of 32-bit values at src (rows src_ld apart) transposed in
@@ -214,37 +220,56 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void to_bf16(con
 }
 
 // Per thread, reused: a block of an operand in bf16, converted where it is used
-// (in L1 or L2) rather than the whole operand through memory first.
-at::BFloat16* scratch(size_t n) {
-  thread_local std::vector<at::BFloat16> buffer;
+// (in L1 or L2) rather than the whole operand through memory first; a result
+// tile of a last, partial panel.
+template <typename T>
+T* scratch(size_t n) {
+  thread_local std::vector<T> buffer;
   if (buffer.size() < n) buffer.resize(n);
   return buffer.data();
 }
 
-// b (batch, k, n), in rows or columns, as n / kTileCols column panels a
-// matrix in the micro-kernel's layout: panel p holds b[kk][p * kTileCols + c]
-// at [kk / 2][c][kk % 2], each row pair of a column one 32-bit word. For b in
-// columns (b = w.t(), w row-major), a column's row pairs are adjacent in w:
-// the panel is the transpose of w's rows taken as 32-bit words.
+// rows of `length` values, src rows src_ld apart, into dst rows of `width`
+// (>= length) bf16 values, zero past length.
+void rows_to_bf16(const float* src, int64_t rows, int64_t length, int64_t src_ld, at::BFloat16* dst, int64_t width) {
+  if (length == width && src_ld == length) {
+    to_bf16(src, rows * length, dst);
+    return;
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    to_bf16(src + i * src_ld, length, dst + i * width);
+    std::fill(dst + i * width + length, dst + (i + 1) * width, at::BFloat16(0.0f));
+  }
+}
+
+// b (batch, k, n), in rows or columns, as ceil(n / kTileCols) column panels
+// a matrix in the micro-kernel's layout, even(k) rows each (the last panel's
+// missing columns and an odd k's extra row zero): panel p holds
+// b[kk][p * kTileCols + c] at [kk / 2][c][kk % 2], each row pair of a column
+// one 32-bit word. For b in columns (b = w.t(), w row-major), a column's row
+// pairs are adjacent in w: the panel is the transpose of w's rows taken as
+// 32-bit words.
 at::Tensor rhs_panels(const at::Tensor& b) {
-  const int64_t batch = b.size(0), k = b.size(1), n = b.size(2), panels_n = n / kTileCols;
+  const int64_t batch = b.size(0), k = b.size(1), n = b.size(2), kp = even(k);
+  const int64_t panels_n = (n + kTileCols - 1) / kTileCols;
   const bool rows_in = in_rows(b);
   const float* source = (rows_in ? b : b.transpose(1, 2)).const_data_ptr<float>();  // (batch, k, n) or (batch, n, k)
-  at::Tensor panels = at::empty({batch, panels_n, k, kTileCols}, b.options().dtype(at::kBFloat16));
+  at::Tensor panels = at::empty({batch, panels_n, kp, kTileCols}, b.options().dtype(at::kBFloat16));
   at::BFloat16* pp = panels.mutable_data_ptr<at::BFloat16>();
-  const int64_t pairs = k / 2;
   at::parallel_for(0, batch * panels_n, 1, [&](int64_t first, int64_t last) {
-    at::BFloat16* block = scratch(k * kTileCols);
+    at::BFloat16* block = scratch<at::BFloat16>(kp * kTileCols);
     for (int64_t task = first; task < last; ++task) {
       const float* matrix = source + task / panels_n * k * n;
-      const int64_t p = task % panels_n;
-      at::BFloat16* panel = pp + task * k * kTileCols;
-      if (rows_in) {  // the panel's columns, k rows of kTileCols
-        for (int64_t kk = 0; kk < k; ++kk) to_bf16(matrix + kk * n + p * kTileCols, kTileCols, block + kk * kTileCols);
-        at::native::cpublas::pack(k, kTileCols, kTileCols, kTileCols, at::kBFloat16, at::kBFloat16, block, panel);
-      } else {  // the panel's kTileCols rows of w, k long
-        to_bf16(matrix + p * kTileCols * k, kTileCols * k, block);
-        transpose_words(reinterpret_cast<const uint32_t*>(block), kTileCols, pairs, pairs,
+      const int64_t p = task % panels_n, cols = std::min(kTileCols, n - p * kTileCols);
+      at::BFloat16* panel = pp + task * kp * kTileCols;
+      if (rows_in) {  // the panel's columns: kp rows of kTileCols
+        rows_to_bf16(matrix + p * kTileCols, k, cols, n, block, kTileCols);
+        std::fill(block + k * kTileCols, block + kp * kTileCols, at::BFloat16(0.0f));
+        at::native::cpublas::pack(kp, kTileCols, kTileCols, kTileCols, at::kBFloat16, at::kBFloat16, block, panel);
+      } else {  // the panel's kTileCols rows of w, kp long
+        rows_to_bf16(matrix + p * kTileCols * k, cols, k, k, block, kp);
+        std::fill(block + cols * kp, block + kTileCols * kp, at::BFloat16(0.0f));
+        transpose_words(reinterpret_cast<const uint32_t*>(block), kTileCols, kp / 2, kp / 2,
                         reinterpret_cast<uint32_t*>(panel), kTileCols);
       }
     }
@@ -257,7 +282,7 @@ at::Tensor rhs_panels(const at::Tensor& b) {
 // ignores out's contents. A task is kTileRows rows of one result: a's rows
 // converted once into a block, then every panel of b.
 void tiles_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, float beta) {
-  const int64_t batch = a.size(0), m = a.size(1), k = a.size(2), n = b.size(2);
+  const int64_t batch = a.size(0), m = a.size(1), k = a.size(2), n = b.size(2), kp = even(k);
   const at::Tensor panels = rhs_panels(b);
   if (beta != 0.0f && beta != 1.0f) {
     out.mul_(beta);
@@ -266,21 +291,31 @@ void tiles_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out,
   const float* source = (rows_in ? a : a.transpose(1, 2)).const_data_ptr<float>();  // (batch, m, k) or (batch, k, m)
   const at::BFloat16* pp = panels.const_data_ptr<at::BFloat16>();
   float* op = out.mutable_data_ptr<float>();
-  const int64_t row_tiles = (m + kTileRows - 1) / kTileRows, col_tiles = n / kTileCols;
+  const int64_t row_tiles = (m + kTileRows - 1) / kTileRows, col_tiles = (n + kTileCols - 1) / kTileCols;
+  const int64_t last_cols = n - (col_tiles - 1) * kTileCols;  // of the last panel
   at::parallel_for(0, batch * row_tiles, 1, [&](int64_t first, int64_t last) {
-    at::BFloat16* block = scratch(kTileRows * k);
+    at::BFloat16* block = scratch<at::BFloat16>(kTileRows * kp);
+    float* edge = scratch<float>(kTileRows * kTileCols);  // the last panel's result, when partial
     for (int64_t task = first; task < last; ++task) {
       const int64_t e = task / row_tiles, r = task % row_tiles * kTileRows, rows = std::min(kTileRows, m - r);
       const float* matrix = source + e * m * k;
       if (rows_in) {
-        to_bf16(matrix + r * k, rows * k, block);
+        rows_to_bf16(matrix + r * k, rows, k, k, block, kp);
       } else {
-        transpose_to_bf16(matrix + r, k, rows, m, block, k);
+        transpose_to_bf16(matrix + r, k, rows, m, block, kp);
+        for (int64_t i = 0; i < rows && k < kp; ++i) block[i * kp + k] = at::BFloat16(0.0f);
       }
       for (int64_t c = 0; c < col_tiles; ++c) {
-        at::native::cpublas::brgemm(rows, kTileCols, k, k, kTileCols, n, beta != 0.0f, block,
-                                    pp + (e * col_tiles + c) * k * kTileCols, op + (e * m + r) * n + c * kTileCols,
+        const at::BFloat16* panel = pp + (e * col_tiles + c) * kp * kTileCols;
+        float* result = op + (e * m + r) * n + c * kTileCols;
+        if (c + 1 < col_tiles || last_cols == kTileCols) {
+          at::native::cpublas::brgemm(rows, kTileCols, kp, kp, kTileCols, n, beta != 0.0f, block, panel, result, true);
+          continue;
+        }
+        for (int64_t i = 0; i < rows && beta != 0.0f; ++i) std::copy_n(result + i * n, last_cols, edge + i * kTileCols);
+        at::native::cpublas::brgemm(rows, kTileCols, kp, kp, kTileCols, kTileCols, beta != 0.0f, block, panel, edge,
                                     true);
+        for (int64_t i = 0; i < rows; ++i) std::copy_n(edge + i * kTileCols, last_cols, result + i * n);
       }
     }
     at::native::cpublas::brgemm_release(true);
