@@ -236,6 +236,27 @@ def test_errors_shrink_from_medium_to_high_to_highest(operands):
     assert errors["highest"] <= errors["high"]
 
 
+@pytest.mark.parametrize("layout", ["rows", "a transposed", "b transposed"])
+def test_high_is_three_bf16_passes(layout):
+    # hi(a) hi(b) + hi(a) lo(b) + lo(a) hi(b), hi = bf16(x), lo = bf16(x - hi): on AMX
+    # each pass runs on the tiles, elsewhere as an fp32 GEMM of the rounded operands.
+    g = torch.Generator().manual_seed(6)
+    a, b, bias = torch.randn(70, 131, generator=g), torch.randn(131, 100, generator=g), torch.randn(100, generator=g)
+    at = a.t().contiguous().to("tpu").t() if layout == "a transposed" else a.to("tpu")
+    bt = b.t().contiguous().to("tpu").t() if layout == "b transposed" else b.to("tpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.tpu.precision("high"):
+            got = torch.addmm(bias.to("tpu"), at, bt, beta=0.25).cpu()
+    a_hi, b_hi = mxu_operand(a).double(), mxu_operand(b).double()
+    a_lo, b_lo = mxu_operand(a - mxu_operand(a)).double(), mxu_operand(b - mxu_operand(b)).double()
+    want = a_hi @ b_hi + a_hi @ b_lo + a_lo @ b_hi + 0.25 * bias.double()
+    torch.testing.assert_close(got.double(), want, atol=1e-5 * 131 ** 0.5, rtol=1e-6)
+    exact = a.double() @ b.double() + 0.25 * bias.double()
+    assert (got.double() - exact).abs().max() < 1e-2 * (mxu_operand(a).double() @ mxu_operand(b).double()
+                                                          + 0.25 * bias.double() - exact).abs().max()
+
+
 def test_only_fp32_is_rounded():
     a = torch.randn(8, 8, dtype=torch.float64)
     with torch.tpu.precision("medium"):

@@ -5,6 +5,7 @@
 
 #include <ATen/ops/_to_copy.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/sub.h>
 
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
@@ -322,28 +323,53 @@ void tiles_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out,
   });
 }
 
-} // namespace
-
-at::Tensor bf16_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias,
-                     float beta, float alpha) {
-  if (a.dim() != 2 || b.dim() != 2 || a.scalar_type() != at::kFloat ||
-      b.scalar_type() != at::kFloat) {
-    return {};
+// Whether a and b are fp32 matrices with a product to compute; raises for
+// shapes that cannot be multiplied.
+bool plain_product(const at::Tensor& a, const at::Tensor& b) {
+  if (a.dim() != 2 || b.dim() != 2 || a.scalar_type() != at::kFloat || b.scalar_type() != at::kFloat) {
+    return false;
   }
   const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
   TORCH_CHECK(b.size(0) == k, "mat1 and mat2 shapes cannot be multiplied (", m, "x", k, " and ", b.size(0), "x", n, ")");
-  if (m == 0 || n == 0 || k == 0 || !(bf16_kernel_in_use() || onednn_bf16_available())) {
+  return m > 0 && n > 0 && k > 0;
+}
+
+// The result's starting value and the beta the GEMM applies to it: bias
+// broadcast to (m, n) when beta is not 0, else uninitialized memory (beta 0).
+std::pair<at::Tensor, float> initial_result(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias,
+                                            float beta) {
+  const int64_t m = a.size(0), n = b.size(1);
+  if (bias.defined() && beta != 0.0f) {
+    return {at::_to_copy(bias.expand({m, n}), at::kFloat, std::nullopt, std::nullopt, std::nullopt, false,
+                         c10::MemoryFormat::Contiguous),
+            beta};
+  }
+  return {at::empty({m, n}, a.options()), 0.0f};
+}
+
+} // namespace
+
+at::Tensor bf16x3_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, float beta, float alpha) {
+  if (!plain_product(a, b) || !tiles_take(a, b, alpha)) {
+    return {};
+  }
+  const at::Tensor a_hi = round_to_bf16(a), b_hi = round_to_bf16(b);
+  const at::Tensor a_lo = round_to_bf16(at::sub(a, a_hi)), b_lo = round_to_bf16(at::sub(b, b_hi));
+  auto [out, gemm_beta] = initial_result(a, b, bias, beta);
+  const at::Tensor result = out.unsqueeze(0);
+  tiles_gemm(a_hi.unsqueeze(0), b_hi.unsqueeze(0), result, gemm_beta);
+  tiles_gemm(a_hi.unsqueeze(0), b_lo.unsqueeze(0), result, 1.0f);
+  tiles_gemm(a_lo.unsqueeze(0), b_hi.unsqueeze(0), result, 1.0f);
+  return out;
+}
+
+at::Tensor bf16_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias,
+                     float beta, float alpha) {
+  if (!plain_product(a, b) || !(bf16_kernel_in_use() || onednn_bf16_available())) {
     return {};  // the caller's rounding path
   }
-  at::Tensor out;
-  float gemm_beta = 0.0f;
-  if (bias.defined() && beta != 0.0f) {
-    out = at::_to_copy(bias.expand({m, n}), at::kFloat, std::nullopt, std::nullopt, std::nullopt,
-                       false, c10::MemoryFormat::Contiguous);
-    gemm_beta = beta;
-  } else {
-    out = at::empty({m, n}, a.options());
-  }
+  const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  auto [out, gemm_beta] = initial_result(a, b, bias, beta);
   if (tiles_take(a, b, alpha)) {
     tiles_gemm(a.unsqueeze(0), b.unsqueeze(0), out.unsqueeze(0), gemm_beta);
     return out;

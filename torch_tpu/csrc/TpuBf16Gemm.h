@@ -18,6 +18,12 @@ namespace torch_tpu {
 at::Tensor bf16_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias,
                      float beta, float alpha);
 
+// High precision's three passes, hi(a) hi(b) + hi(a) lo(b) + lo(a) hi(b)
+// with hi = bf16(x), lo = bf16(x - hi), each on the tiles, plus beta * bias as
+// bf16_gemm. Undefined where the tiles do not take the operands (callers run
+// the passes as fp32 GEMMs).
+at::Tensor bf16x3_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, float beta, float alpha);
+
 // bf16(a) @ bf16(b) per batch: a (B, m, k), b (B, k, n), fp32. Undefined
 // when the CPU has neither AVX512-BF16 nor AMX (callers use the rounding path).
 at::Tensor bf16_bmm(const at::Tensor& a, const at::Tensor& b);

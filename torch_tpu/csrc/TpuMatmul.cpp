@@ -27,13 +27,22 @@
 namespace torch_tpu {
 namespace {
 
-// The single-GEMM path for medium precision, when the shapes allow it.
-at::Tensor medium_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias,
-                       const c10::Scalar& beta, const c10::Scalar& alpha) {
-  if (effective_precision(a, b) != Precision::kMedium || (bias.defined() && !bias.is_floating_point())) {
+// The bf16 GEMM paths, when the shapes allow them: medium's single pass, and
+// high's three on AMX tiles (elsewhere high runs them as fp32 GEMMs, on_mxu).
+at::Tensor bf16_passes_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias,
+                            const c10::Scalar& beta, const c10::Scalar& alpha) {
+  if (bias.defined() && !bias.is_floating_point()) {
     return {};
   }
-  return bf16_gemm(a, b, bias, beta.toFloat(), alpha.toFloat());
+  switch (effective_precision(a, b)) {
+    case Precision::kMedium:
+      return bf16_gemm(a, b, bias, beta.toFloat(), alpha.toFloat());
+    case Precision::kHigh:
+      return bf16x3_gemm(a, b, bias, beta.toFloat(), alpha.toFloat());
+    case Precision::kHighest:
+      return {};
+  }
+  return {};
 }
 
 } // namespace
@@ -41,7 +50,7 @@ at::Tensor medium_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tenso
 namespace mxu {
 
 at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
-  if (auto fast = medium_gemm(a, b, {}, 0, 1); fast.defined()) {
+  if (auto fast = bf16_passes_gemm(a, b, {}, 0, 1); fast.defined()) {
     return fast;
   }
   return on_mxu(a, b, [](const at::Tensor& x, const at::Tensor& y, bool) { return at::mm(x, y); });
@@ -64,7 +73,7 @@ at::Tensor bmm(const at::Tensor& a, const at::Tensor& b) {
 
 at::Tensor addmm(const at::Tensor& bias, const at::Tensor& a, const at::Tensor& b, const c10::Scalar& beta,
                  const c10::Scalar& alpha) {
-  if (auto fast = medium_gemm(a, b, bias, beta, alpha); fast.defined()) {
+  if (auto fast = bf16_passes_gemm(a, b, bias, beta, alpha); fast.defined()) {
     return fast;
   }
   return on_mxu(a, b, [&](const at::Tensor& a, const at::Tensor& b, bool rest) {
