@@ -5,7 +5,6 @@
 
 #include <ATen/ops/_to_copy.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/sub.h>
 
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
@@ -353,8 +352,8 @@ at::Tensor bf16x3_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tenso
   if (!plain_product(a, b) || !tiles_take(a, b, alpha)) {
     return {};
   }
-  const at::Tensor a_hi = round_to_bf16(a), b_hi = round_to_bf16(b);
-  const at::Tensor a_lo = round_to_bf16(at::sub(a, a_hi)), b_lo = round_to_bf16(at::sub(b, b_hi));
+  const auto [a_hi, a_lo] = split_bf16(a);
+  const auto [b_hi, b_lo] = split_bf16(b);
   auto [out, gemm_beta] = initial_result(a, b, bias, beta);
   const at::Tensor result = out.unsqueeze(0);
   tiles_gemm(a_hi.unsqueeze(0), b_hi.unsqueeze(0), result, gemm_beta);

@@ -122,9 +122,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward(
       result = pass(round_to_bf16(go), round_to_bf16(x), round_to_bf16(w));
       break;
     case Precision::kHigh: {
-      const auto go_hi = round_to_bf16(go), x_hi = round_to_bf16(x), w_hi = round_to_bf16(w);
-      const auto go_lo = round_to_bf16(at::sub(go, go_hi)), x_lo = round_to_bf16(at::sub(x, x_hi)),
-                 w_lo = round_to_bf16(at::sub(w, w_hi));
+      const auto [go_hi, go_lo] = split_bf16(go);
+      const auto [x_hi, x_lo] = split_bf16(x);
+      const auto [w_hi, w_lo] = split_bf16(w);
       result = pass(go_hi, x_hi, w_hi);
       accumulate(result, pass(go_hi, x_lo, w_lo));
       accumulate(result, pass(go_lo, x_hi, w_hi));

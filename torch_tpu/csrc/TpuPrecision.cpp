@@ -74,4 +74,10 @@ at::Tensor round_to_bf16(const at::Tensor& t) {
   return out;
 }
 
+std::pair<at::Tensor, at::Tensor> split_bf16(const at::Tensor& t) {
+  at::Tensor hi = round_to_bf16(t);
+  at::Tensor lo = round_to_bf16(at::sub(t, hi));
+  return {std::move(hi), std::move(lo)};
+}
+
 } // namespace torch_tpu

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include <immintrin.h>
 
@@ -27,6 +28,10 @@ at::Tensor on_mxu(const at::Tensor& a, const at::Tensor& b, F f);
 
 // bf16 rounding that stays fp32: the value the MXU multiplies.
 at::Tensor round_to_bf16(const at::Tensor& t);
+
+// High precision's split of an operand: hi = round_to_bf16(t), lo =
+// round_to_bf16(t - hi); the three passes are hi hi + hi lo + lo hi.
+std::pair<at::Tensor, at::Tensor> split_bf16(const at::Tensor& t);
 
 // fp32 bits -> the fp32 bits of the nearest bf16 (ties to even), as
 // c10::BFloat16's conversion rounds; NaN becomes the canonical quiet NaN and
@@ -83,10 +88,8 @@ at::Tensor on_mxu(const at::Tensor& a, const at::Tensor& b, F f) {
     case Precision::kMedium:
       return f(round_to_bf16(a), round_to_bf16(b), true);
     case Precision::kHigh: {
-      const auto a_hi = round_to_bf16(a);
-      const auto b_hi = round_to_bf16(b);
-      const auto a_lo = round_to_bf16(at::sub(a, a_hi));
-      const auto b_lo = round_to_bf16(at::sub(b, b_hi));
+      const auto [a_hi, a_lo] = split_bf16(a);
+      const auto [b_hi, b_lo] = split_bf16(b);
       auto out = f(a_hi, b_hi, true);
       out.add_(f(a_hi, b_lo, false));
       out.add_(f(a_lo, b_hi, false));
