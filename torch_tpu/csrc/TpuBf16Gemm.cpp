@@ -183,39 +183,68 @@ __attribute__((target("avx2"))) void transpose_words(const uint32_t* src, int64_
   }
 }
 
+// Which bf16 part of an fp32 value a conversion keeps: hi = bf16(x) (round to
+// nearest even), or high precision's lo = bf16(x - hi).
+enum class Part { kHi, kLo };
+
+// The part of 8 / 16 values, in bf16.
+__attribute__((target("avx2,avx512f,avx512vl,avx512bf16"), always_inline)) inline __m128bh part8(__m256 v, Part part) {
+  const __m128bh hi = _mm256_cvtneps_pbh(v);
+  if (part == Part::kHi) return hi;
+  const __m256 hi32 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32((__m128i)hi), 16));
+  return _mm256_cvtneps_pbh(_mm256_sub_ps(v, hi32));
+}
+
+// GCC 12 warns of an uninitialized value inside its own headers' 512-bit
+// widening and shift intrinsics (their unmasked forms pass an undefined source).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), always_inline)) inline __m256bh part16(__m512 v,
+                                                                                                      Part part) {
+  const __m256bh hi = _mm512_cvtneps_pbh(v);
+  if (part == Part::kHi) return hi;
+  const __m512 hi32 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)hi), 16));
+  return _mm512_cvtneps_pbh(_mm512_sub_ps(v, hi32));
+}
+#pragma GCC diagnostic pop
+
+at::BFloat16 part1(float v, Part part) {
+  const at::BFloat16 hi(v);
+  return part == Part::kHi ? hi : at::BFloat16(v - static_cast<float>(hi));
+}
+
 // dst (cols x rows, bf16) = the transpose of src (rows x cols, fp32), both
-// row-major with leading dimensions src_ld and dst_ld, converted to bf16
-// (round to nearest even) on the way out. Only where tiles are (AMX implies
-// AVX512-BF16). Our own: ATen's copy of a transposed 256x256 took 34 us
-// against 7 for a plain one.
+// row-major with leading dimensions src_ld and dst_ld, converted to the bf16
+// part on the way out. Only where tiles are (AMX implies AVX512-BF16). Our
+// own: ATen's copy of a transposed 256x256 took 34 us against 7 for a plain
+// one.
 __attribute__((target("avx2,avx512f,avx512vl,avx512bf16"))) void transpose_to_bf16(
-    const float* src, int64_t rows, int64_t cols, int64_t src_ld, at::BFloat16* dst, int64_t dst_ld) {
+    const float* src, int64_t rows, int64_t cols, int64_t src_ld, at::BFloat16* dst, int64_t dst_ld, Part part) {
   const int64_t rows8 = rows / 8 * 8, cols8 = cols / 8 * 8;
   for (int64_t i = 0; i < rows8; i += 8) {
     for (int64_t j = 0; j < cols8; j += 8) {
       __m256 column[8];
       transpose8x8(src + i * src_ld + j, src_ld, column);
       for (int q = 0; q < 8; ++q) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (j + q) * dst_ld + i),
-                         (__m128i)_mm256_cvtneps_pbh(column[q]));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (j + q) * dst_ld + i), (__m128i)part8(column[q], part));
       }
     }
   }
   for (int64_t i = 0; i < rows; ++i) {  // the edges
-    for (int64_t j = (i < rows8 ? cols8 : 0); j < cols; ++j) dst[j * dst_ld + i] = at::BFloat16(src[i * src_ld + j]);
+    for (int64_t j = (i < rows8 ? cols8 : 0); j < cols; ++j) dst[j * dst_ld + i] = part1(src[i * src_ld + j], part);
   }
 }
 
-// dst[0, n) = bf16(src[0, n)), round to nearest even, 16 at a time.
+// dst[0, n) = the bf16 part of src[0, n), 16 at a time.
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void to_bf16(const float* src, int64_t n,
-                                                                           at::BFloat16* dst) {
+                                                                           at::BFloat16* dst, Part part) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)part16(_mm512_loadu_ps(src + i), part));
   }
   if (i < n) {
     const __mmask16 rest = static_cast<__mmask16>((1u << (n - i)) - 1);
-    _mm256_mask_storeu_epi16(dst + i, rest, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(rest, src + i)));
+    _mm256_mask_storeu_epi16(dst + i, rest, (__m256i)part16(_mm512_maskz_loadu_ps(rest, src + i), part));
   }
 }
 
@@ -230,14 +259,15 @@ T* scratch(size_t n) {
 }
 
 // rows of `length` values, src rows src_ld apart, into dst rows of `width`
-// (>= length) bf16 values, zero past length.
-void rows_to_bf16(const float* src, int64_t rows, int64_t length, int64_t src_ld, at::BFloat16* dst, int64_t width) {
+// (>= length) bf16 parts, zero past length.
+void rows_to_bf16(const float* src, int64_t rows, int64_t length, int64_t src_ld, at::BFloat16* dst, int64_t width,
+                  Part part) {
   if (length == width && src_ld == length) {
-    to_bf16(src, rows * length, dst);
+    to_bf16(src, rows * length, dst, part);
     return;
   }
   for (int64_t i = 0; i < rows; ++i) {
-    to_bf16(src + i * src_ld, length, dst + i * width);
+    to_bf16(src + i * src_ld, length, dst + i * width, part);
     std::fill(dst + i * width + length, dst + (i + 1) * width, at::BFloat16(0.0f));
   }
 }
@@ -249,7 +279,7 @@ void rows_to_bf16(const float* src, int64_t rows, int64_t length, int64_t src_ld
 // one 32-bit word. For b in columns (b = w.t(), w row-major), a column's row
 // pairs are adjacent in w: the panel is the transpose of w's rows taken as
 // 32-bit words.
-at::Tensor rhs_panels(const at::Tensor& b) {
+at::Tensor rhs_panels(const at::Tensor& b, Part part) {
   const int64_t batch = b.size(0), k = b.size(1), n = b.size(2), kp = even(k);
   const int64_t panels_n = (n + kTileCols - 1) / kTileCols;
   const bool rows_in = in_rows(b);
@@ -263,11 +293,11 @@ at::Tensor rhs_panels(const at::Tensor& b) {
       const int64_t p = task % panels_n, cols = std::min(kTileCols, n - p * kTileCols);
       at::BFloat16* panel = pp + task * kp * kTileCols;
       if (rows_in) {  // the panel's columns: kp rows of kTileCols
-        rows_to_bf16(matrix + p * kTileCols, k, cols, n, block, kTileCols);
+        rows_to_bf16(matrix + p * kTileCols, k, cols, n, block, kTileCols, part);
         std::fill(block + k * kTileCols, block + kp * kTileCols, at::BFloat16(0.0f));
         at::native::cpublas::pack(kp, kTileCols, kTileCols, kTileCols, at::kBFloat16, at::kBFloat16, block, panel);
       } else {  // the panel's kTileCols rows of w, kp long
-        rows_to_bf16(matrix + p * kTileCols * k, cols, k, k, block, kp);
+        rows_to_bf16(matrix + p * kTileCols * k, cols, k, k, block, kp, part);
         std::fill(block + cols * kp, block + kTileCols * kp, at::BFloat16(0.0f));
         transpose_words(reinterpret_cast<const uint32_t*>(block), kTileCols, kp / 2, kp / 2,
                         reinterpret_cast<uint32_t*>(panel), kTileCols);
@@ -277,13 +307,13 @@ at::Tensor rhs_panels(const at::Tensor& b) {
   return panels;
 }
 
-// out (fp32, contiguous (batch, m, n)) = beta * out + bf16(a) @ bf16(b) for
-// a (batch, m, k) and b (batch, k, n) in rows or columns (tiles_take); beta 0
-// ignores out's contents. A task is kTileRows rows of one result: a's rows
-// converted once into a block, then every panel of b.
-void tiles_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, float beta) {
-  const int64_t batch = a.size(0), m = a.size(1), k = a.size(2), n = b.size(2), kp = even(k);
-  const at::Tensor panels = rhs_panels(b);
+// out (fp32, contiguous (batch, m, n)) = beta * out + part(a) @ b for a
+// (batch, m, k) in rows or columns (tiles_take) and b's panels (rhs_panels of
+// a (batch, k, n)); beta 0 ignores out's contents. A task is kTileRows rows of
+// one result: a's rows converted once into a block, then every panel of b.
+void tiles_gemm(const at::Tensor& a, Part part, const at::Tensor& panels, int64_t n, const at::Tensor& out,
+                float beta) {
+  const int64_t batch = a.size(0), m = a.size(1), k = a.size(2), kp = even(k);
   if (beta != 0.0f && beta != 1.0f) {
     out.mul_(beta);
   }
@@ -300,9 +330,9 @@ void tiles_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out,
       const int64_t e = task / row_tiles, r = task % row_tiles * kTileRows, rows = std::min(kTileRows, m - r);
       const float* matrix = source + e * m * k;
       if (rows_in) {
-        rows_to_bf16(matrix + r * k, rows, k, k, block, kp);
+        rows_to_bf16(matrix + r * k, rows, k, k, block, kp, part);
       } else {
-        transpose_to_bf16(matrix + r, k, rows, m, block, kp);
+        transpose_to_bf16(matrix + r, k, rows, m, block, kp, part);
         for (int64_t i = 0; i < rows && k < kp; ++i) block[i * kp + k] = at::BFloat16(0.0f);
       }
       for (int64_t c = 0; c < col_tiles; ++c) {
@@ -352,13 +382,14 @@ at::Tensor bf16x3_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tenso
   if (!plain_product(a, b) || !tiles_take(a, b, alpha)) {
     return {};
   }
-  const auto [a_hi, a_lo] = split_bf16(a);
-  const auto [b_hi, b_lo] = split_bf16(b);
+  // The parts are taken where the blocks are converted, not split in memory first.
   auto [out, gemm_beta] = initial_result(a, b, bias, beta);
-  const at::Tensor result = out.unsqueeze(0);
-  tiles_gemm(a_hi.unsqueeze(0), b_hi.unsqueeze(0), result, gemm_beta);
-  tiles_gemm(a_hi.unsqueeze(0), b_lo.unsqueeze(0), result, 1.0f);
-  tiles_gemm(a_lo.unsqueeze(0), b_hi.unsqueeze(0), result, 1.0f);
+  const at::Tensor lhs = a.unsqueeze(0), rhs = b.unsqueeze(0), result = out.unsqueeze(0);
+  const int64_t n = b.size(1);
+  const at::Tensor b_hi = rhs_panels(rhs, Part::kHi);
+  tiles_gemm(lhs, Part::kHi, b_hi, n, result, gemm_beta);
+  tiles_gemm(lhs, Part::kHi, rhs_panels(rhs, Part::kLo), n, result, 1.0f);
+  tiles_gemm(lhs, Part::kLo, b_hi, n, result, 1.0f);
   return out;
 }
 
@@ -370,7 +401,7 @@ at::Tensor bf16_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
   const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
   auto [out, gemm_beta] = initial_result(a, b, bias, beta);
   if (tiles_take(a, b, alpha)) {
-    tiles_gemm(a.unsqueeze(0), b.unsqueeze(0), out.unsqueeze(0), gemm_beta);
+    tiles_gemm(a.unsqueeze(0), Part::kHi, rhs_panels(b.unsqueeze(0), Part::kHi), n, out.unsqueeze(0), gemm_beta);
     return out;
   }
   if (bf16_kernel_in_use()) {  // packing reads any strides and rounds on the way
@@ -400,7 +431,7 @@ at::Tensor bf16_bmm(const at::Tensor& a, const at::Tensor& b) {
     return out.zero_();
   }
   if (tiles_take(a, b, 1.0f)) {
-    tiles_gemm(a, b, out, 0.0f);
+    tiles_gemm(a, Part::kHi, rhs_panels(b, Part::kHi), n, out, 0.0f);
     return out;
   }
   if (!bf16_kernel_in_use()) {
