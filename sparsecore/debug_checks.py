@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from sparsecore import _library, fused  # noqa: F401  (register torch.ops.sparsecore.*)
-from sparsecore.preprocess import ALIGNMENT
+from sparsecore.preprocess import align_up
 from torch_tpu import debug
 
 
@@ -21,7 +21,7 @@ def entries_in_groups(row_pointers: torch.Tensor, width: int) -> torch.Tensor:
     """Mask [n, width] of the COO entries inside some (receiver, owner) group (not padding)."""
     ends = row_pointers.to("cpu", torch.int64)
     starts = torch.zeros_like(ends)
-    starts[:, 1:] = (ends[:, :-1] + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+    starts[:, 1:] = align_up(ends[:, :-1])
     column = torch.arange(width)
     inside = (column[None, None, :] >= starts[:, :, None]) & (column[None, None, :] < ends[:, :, None])
     return inside.any(1)

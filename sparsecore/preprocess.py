@@ -47,6 +47,11 @@ WIDTHS_PER_OCTAVE = 8
 csrc/Layout.h has the same rule for the pooled stacks' C++ pass)."""
 
 
+def align_up(x):
+    """``x`` (an int or an integer tensor, >= 0) rounded up to a multiple of ALIGNMENT."""
+    return -(-x // ALIGNMENT) * ALIGNMENT
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PartitionStats:
     """What a batch needed of one stack's limits, for tuning them."""
@@ -82,7 +87,7 @@ class StackBatch:
         if owner == 0:
             return 0
         end = int(self.row_pointers[receiver, owner - 1])
-        return -(-end // ALIGNMENT) * ALIGNMENT
+        return align_up(end)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -223,7 +228,7 @@ def bucket_width(width: int) -> int:
     new one per batch (static shapes, as a TPU's infeed), for at most 1/8 more padding,
     which the kernels never visit (they walk the row pointers' groups)."""
     if width <= ALIGNMENT * WIDTHS_PER_OCTAVE:
-        return -(-width // ALIGNMENT) * ALIGNMENT
+        return align_up(width)
     step = (1 << ((width - 1).bit_length() - 1)) // WIDTHS_PER_OCTAVE
     return -(-width // step) * step
 
@@ -231,7 +236,7 @@ def bucket_width(width: int) -> int:
 def _layout(partition, row, bag, gain, n: int):
     """CSR-wrapped COO buffers from entries sorted by (receiver, owner), each partition in bag order."""
     counts = torch.bincount(partition, minlength=n * n).view(n, n)
-    padded = -(-counts // ALIGNMENT) * ALIGNMENT
+    padded = align_up(counts)
     starts = torch.cumsum(padded, 1) - padded  # group starts within each receiver
     row_pointers = (starts + counts).to(torch.int32)
     width = bucket_width(int(padded.sum(1).max()) if counts.numel() else 0)
@@ -397,9 +402,7 @@ def _at_least_suggested_size(batch: StackBatch, stack: StackSpec) -> StackBatch:
     size = stack.coo_buffer_size_per_device
     if size is None:
         return batch
-    width = -(-size // stack.num_sparsecores)
-    width = -(-width // ALIGNMENT) * ALIGNMENT
-    extra = width - batch.embedding_ids.shape[1]
+    extra = align_up(-(-size // stack.num_sparsecores)) - batch.embedding_ids.shape[1]
     if extra <= 0:
         return batch
     pad = torch.nn.functional.pad

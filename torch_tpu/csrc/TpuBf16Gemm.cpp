@@ -352,6 +352,12 @@ void tiles_gemm(const at::Tensor& a, Part part, const at::Tensor& panels, int64_
   });
 }
 
+// out = beta * out + bf16(a) @ bf16(b), a (batch, m, k) and b (batch, k, n): medium's
+// single pass (tiles_take).
+void tiles_product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, float beta) {
+  tiles_gemm(a, Part::kHi, rhs_panels(b, Part::kHi), b.size(2), out, beta);
+}
+
 // Whether a and b are fp32 matrices with a product to compute; raises for
 // shapes that cannot be multiplied.
 bool plain_product(const at::Tensor& a, const at::Tensor& b) {
@@ -401,7 +407,7 @@ at::Tensor bf16_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
   const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
   auto [out, gemm_beta] = initial_result(a, b, bias, beta);
   if (tiles_take(a, b, alpha)) {
-    tiles_gemm(a.unsqueeze(0), Part::kHi, rhs_panels(b.unsqueeze(0), Part::kHi), n, out.unsqueeze(0), gemm_beta);
+    tiles_product(a.unsqueeze(0), b.unsqueeze(0), out.unsqueeze(0), gemm_beta);
     return out;
   }
   if (bf16_kernel_in_use()) {  // packing reads any strides and rounds on the way
@@ -431,7 +437,7 @@ at::Tensor bf16_bmm(const at::Tensor& a, const at::Tensor& b) {
     return out.zero_();
   }
   if (tiles_take(a, b, 1.0f)) {
-    tiles_gemm(a, Part::kHi, rhs_panels(b, Part::kHi), n, out, 0.0f);
+    tiles_product(a, b, out, 0.0f);
     return out;
   }
   if (!bf16_kernel_in_use()) {

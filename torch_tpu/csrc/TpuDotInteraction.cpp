@@ -49,11 +49,14 @@ int64_t pairs(int64_t vectors) {
   return vectors * (vectors - 1) / 2;
 }
 
+// In SymInts, for the meta kernels too: a traced step with a symbolic batch keeps it
+// symbolic (reading the batch as an int would specialize the graph to it: one compile
+// per batch size).
 void check_shapes(const char* op, const at::Tensor& dense, const at::Tensor& sparse) {
   TORCH_CHECK(dense.dim() == 2 && sparse.dim() == 3, op, ": expected dense (B, D) and sparse (B, F, D), got ",
-              dense.sizes(), " and ", sparse.sizes());
-  TORCH_CHECK(sparse.size(0) == dense.size(0) && sparse.size(2) == dense.size(1), op,
-              ": dense ", dense.sizes(), " and sparse ", sparse.sizes(), " disagree on B or D");
+              dense.sym_sizes(), " and ", sparse.sym_sizes());
+  TORCH_SYM_CHECK(sparse.sym_size(0).sym_eq(dense.sym_size(0)).sym_and(sparse.sym_size(2).sym_eq(dense.sym_size(1))),
+                  op, ": dense ", dense.sym_sizes(), " and sparse ", sparse.sym_sizes(), " disagree on B or D");
   TORCH_CHECK(dense.scalar_type() == sparse.scalar_type(), op, ": dense is ", dense.scalar_type(),
               " but sparse is ", sparse.scalar_type());
 }
@@ -265,28 +268,15 @@ std::tuple<at::Tensor, at::Tensor> tpu_interaction_backward(const at::Tensor& gr
   return {scope.adopt(d_dense), scope.adopt(d_sparse)};
 }
 
-// The shapes in SymInts: a traced step with a symbolic batch keeps it symbolic (reading
-// the batch as an int would specialize the graph to it: one compile per batch size).
-void check_meta_shapes(const char* op, const at::Tensor& dense, const at::Tensor& sparse) {
-  TORCH_CHECK(dense.dim() == 2 && sparse.dim() == 3, op, ": expected dense (B, D) and sparse (B, F, D), got ",
-              dense.sym_sizes(), " and ", sparse.sym_sizes());
-  TORCH_SYM_CHECK(sparse.sym_size(0).sym_eq(dense.sym_size(0)), op, ": dense ", dense.sym_sizes(), " and sparse ",
-                  sparse.sym_sizes(), " disagree on B");
-  TORCH_SYM_CHECK(sparse.sym_size(2).sym_eq(dense.sym_size(1)), op, ": dense ", dense.sym_sizes(), " and sparse ",
-                  sparse.sym_sizes(), " disagree on D");
-  TORCH_CHECK(dense.scalar_type() == sparse.scalar_type(), op, ": dense is ", dense.scalar_type(),
-              " but sparse is ", sparse.scalar_type());
-}
-
 at::Tensor meta_interaction(const at::Tensor& dense, const at::Tensor& sparse) {
-  check_meta_shapes("dot_interaction", dense, sparse);
+  check_shapes("dot_interaction", dense, sparse);
   const int64_t features = sparse.sym_size(1).guard_int(__FILE__, __LINE__);  // the model's, not the batch's
   return at::empty_symint({dense.sym_size(0), dense.sym_size(1) + pairs(features + 1)}, dense.options());
 }
 
 std::tuple<at::Tensor, at::Tensor> meta_interaction_backward(const at::Tensor& grad, const at::Tensor& dense,
                                                              const at::Tensor& sparse) {
-  check_meta_shapes("dot_interaction_backward", dense, sparse);
+  check_shapes("dot_interaction_backward", dense, sparse);
   return {at::empty_symint(dense.sym_sizes(), dense.options()), at::empty_symint(sparse.sym_sizes(), sparse.options())};
 }
 
