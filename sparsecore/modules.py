@@ -8,9 +8,11 @@ features: ``forward(KJT) -> dict[str, JaggedTensor]`` like TorchRec's
 ``EmbeddingBagCollection`` takes and gives what it gives: ``forward(KJT) ->
 KeyedTensor`` with the same keys, order and ``state_dict`` keys
 (``embedding_bags.<table>.weight``); ``is_weighted`` as TorchRec's (a KJT's
-weights scale its rows only when True). Inside, tables are stacked and
-mod-sharded over the device's SparseCores (sparsecore.stacking); the
-state_dict shows each table in its logical row order.
+weights scale its rows only when True; weights that require grad get their
+gradient, as TorchRec's position-weighted features need, see
+sparsecore.weight_gradient). Inside, tables are stacked and mod-sharded over
+the device's SparseCores (sparsecore.stacking); the state_dict shows each
+table in its logical row order.
 
 Example (two features sharing one table)::
 
@@ -29,6 +31,7 @@ Example (two features sharing one table)::
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 
 import torch
@@ -39,6 +42,8 @@ from sparsecore.collection import SparseCoreCollection
 from sparsecore.executor import Pending, Resolved, run_on
 from sparsecore.inference import inference_lookups
 from sparsecore.preprocess import PreprocessedBatch
+from sparsecore.weight_gradient import (check_trainable, detached, refuse_trainable_weights, trainable_weights,
+                                        weight_gradient, with_weight_gradient)
 
 
 class SparseCoreEmbeddingBagCollection(SparseCoreCollection):
@@ -64,14 +69,36 @@ class SparseCoreEmbeddingBagCollection(SparseCoreCollection):
         if self._serves_inference(features):
             self.wait_for_updates()
             return self._keyed(features.stride(), self._inference_lookups(features))
-        return super().forward(features)
+        if not self._trains_weights(features):
+            return super().forward(features)
+        return self._forward_training_weights(features, features.weights())
+
+    @torch.compiler.disable(reason="KJT weights that require grad train in eager mode (sparsecore.weight_gradient)")
+    def _forward_training_weights(self, features: KeyedJaggedTensor, weights: torch.Tensor) -> KeyedTensor:
+        """forward for TorchRec's position-weighted features: the weights get their gradient too."""
+        check_trainable(self._configs, self._allow_id_dropping)
+        gradient = weight_gradient(features, self._configs, self._stacks, self._weights)
+        out = super().forward(detached(features))
+        values = with_weight_gradient(out.values(), weights, gradient)
+        return KeyedTensor(keys=out.keys(), length_per_key=out.length_per_key(), values=values)
 
     def forward_async(self, features: KeyedJaggedTensor | PreprocessedBatch) -> Pending | Resolved:
         if self._serves_inference(features):
             # Queued behind the deferred updates, as any lookup on the executor.
             looked_up = run_on(self._device, "lookup", self._inference_lookups, features)
             return Pending(looked_up, functools.partial(self._keyed, features.stride()))
+        if self._trains_weights(features):  # the executor's lookups keep no autograd graph
+            return Resolved(self.forward(features))
         return super().forward_async(features)
+
+    def prefetch(self, features: KeyedJaggedTensor | PreprocessedBatch,
+                 prepared: concurrent.futures.Future | None = None) -> None:
+        if self._is_weighted:
+            refuse_trainable_weights(features, "prefetch, which looks the batch up ahead without autograd,")
+        super().prefetch(features, prepared)
+
+    def _trains_weights(self, features: object) -> bool:
+        return self._is_weighted and trainable_weights(features) is not None
 
     def _inference_lookups(self, features: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
         """Per stack, the rows of the inference lookup; for a batch past the limits by its raw

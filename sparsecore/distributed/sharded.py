@@ -29,6 +29,7 @@ from sparsecore.executor import Pending, completed, executor_for, run_on
 from sparsecore.collection import SparseCoreCollection
 from sparsecore.modules import SparseCoreEmbeddingBagCollection
 from sparsecore.optim import RowWiseAdagrad
+from sparsecore.weight_gradient import refuse_trainable_weights
 from torch_tpu import threads
 
 
@@ -295,6 +296,8 @@ class ShardedSparseCoreEmbeddingBagCollection(ShardedSparseCoreCollection):
         SparseCore executor (TensorCore work issued meanwhile overlaps them), and the output
         distribution when ``result()`` is called. The collectives stay on the calling
         thread, so every rank issues them in the same order."""
+        if self._is_weighted:
+            refuse_trainable_weights(features, "a sharded collection")
         if self._prefetched is not None and self._prefetched[0] is features:
             pending, self._prefetched = self._prefetched[1], None
             return pending

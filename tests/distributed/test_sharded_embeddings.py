@@ -345,3 +345,22 @@ def test_a_sharded_collection_takes_the_batch_s_weights_only_when_weighted(is_we
         for rank, outputs in enumerate(results):
             start = sum(3 + r for r in range(rank))
             assert_close(outputs[step], expected[start:start + 3 + rank], msg=lambda m: f"rank {rank} step {step}: {m}")
+
+
+def trainable_weights_refused(rank: int, world: int, plan_json: str) -> str:
+    module = sparsecore.SparseCoreEmbeddingBagCollection(tables(), optim.SGD(lr=0.1), "tpu", is_weighted=True)
+    module = shard(module, ShardingPlan.from_json(plan_json))
+    kjt = with_weights(kjt_of([local_batch(rank, 0)]))
+    weights = kjt.weights().clone().requires_grad_()
+    try:
+        module(KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(), weights=weights))
+    except sparsecore.errors.InputError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_sharded_collection_refuses_weights_that_require_grad():
+    # It would route them as constants: refused rather than silently left untrained.
+    results = assert_all_ok(run_ranks(trainable_weights_refused, 2, plan_for("row_wise", 2).to_json()))
+    for message in results:
+        assert "require grad" in message and "sharded collection" in message

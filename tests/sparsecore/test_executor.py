@@ -218,19 +218,3 @@ def test_a_module_with_optimizer_state_pickles(spec):
     engine(kjt).values().sum().backward()
     assert torch.equal(loaded.table_weight("shared").cpu(), engine.table_weight("shared").cpu())
 
-
-def test_weights_that_require_grad_are_refused_not_silently_left_untrained():
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    from sparsecore.errors import InputError
-
-    tables = [EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4, feature_names=["f"])]
-    engine = SparseCoreEmbeddingBagCollection(tables, optim.SGD(lr=0.1), device="tpu", is_weighted=True)
-    w = torch.rand(3, requires_grad=True)
-    kjt = KeyedJaggedTensor(keys=["f"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1]), weights=w)
-    with pytest.raises(InputError, match="weights require grad"):
-        engine(kjt)
-    with torch.no_grad():
-        engine(kjt)  # no gradient asked for: fine
-    engine(KeyedJaggedTensor(keys=["f"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1]),
-                             weights=w.detach()))
