@@ -36,3 +36,18 @@ def test_autocast_training_step_matches_cpu_autocast():
     torch.testing.assert_close(tpu_loss.cpu(), cpu_loss)
     for p, q in zip(model.parameters(), tpu_model.parameters()):
         torch.testing.assert_close(q.grad.cpu(), p.grad)
+
+
+def test_autocast_without_a_dtype_takes_bf16_on_the_backend_s_threads():
+    # PyTorch's default for a PrivateUse1 backend is fp16; the TPU's lower precision is bf16.
+    import torch_tpu.threads
+
+    a = torch.randn(4, 4, device="tpu")
+
+    def product_dtype():
+        with torch.autocast("tpu"):
+            return (a @ a).dtype
+
+    assert product_dtype() == torch.bfloat16
+    assert torch_tpu.threads.worker("autocast-test").submit(product_dtype).result(timeout=30) == torch.bfloat16
+    assert torch.tpu.submit(torch.tpu.Stream(), product_dtype).result(timeout=30) == torch.bfloat16

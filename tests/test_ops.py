@@ -784,3 +784,49 @@ def test_shape_ops():
     same(a_t.clone(memory_format=torch.contiguous_format), a_c.clone())
     cl = a_t.t().clone()
     assert cl.stride() == a_c.t().clone().stride()
+
+
+def test_storage_geometry_is_checked_as_on_cpu():
+    # A negative offset would read and write the bytes before the tensor's block.
+    base = torch.arange(8.0, device="tpu")
+    for device in ("cpu", "tpu"):
+        t = base.to(device)
+        with pytest.raises(RuntimeError, match="invalid storage offset -1"):
+            t.as_strided((2,), (1,), -1)
+        with pytest.raises(RuntimeError, match="invalid storage offset -1"):
+            torch.empty(0, device=device).set_(t.untyped_storage(), -1, (2,), (1,))
+        with pytest.raises(RuntimeError, match="Negative strides"):
+            t.as_strided((2,), (-1,), 4)
+    assert_close(base.as_strided((3,), (2,), 1).cpu(), torch.tensor([1.0, 3.0, 5.0]))
+
+
+@pytest.mark.parametrize("source", ["cpu", "tpu:1"])
+def test_set_refuses_a_storage_of_another_device(source):
+    t = torch.empty(0, device="tpu:0")
+    with pytest.raises(RuntimeError, match="the devices must match"):
+        t.set_(torch.ones(3, device=source).untyped_storage(), 0, (3,), (1,))
+    with pytest.raises(RuntimeError, match="the devices must match"):
+        torch.empty(0).set_(torch.ones(3, device="tpu").untyped_storage(), 0, (3,), (1,))  # CPU's own check
+    assert t.device == torch.device("tpu:0") and t.numel() == 0
+
+
+def test_a_cpu_scalar_tensor_is_an_operand_never_a_result():
+    # CUDA's rule: 0-dim cpu tensors mix in as scalars; as out= the kernel resized it in tpu
+    # memory and left the caller's tensor without storage (a crash when printed).
+    x = torch.ones(3, device="tpu")
+    assert_close(torch.mul(x, torch.tensor(2.0)).cpu(), torch.full((3,), 2.0))
+    out = torch.tensor(0.0)
+    with pytest.raises(RuntimeError, match="result out is on cpu"):
+        torch.mul(x, 2, out=out)
+    assert out.item() == 0.0
+    scalar = torch.tensor(0.0)
+    scalar.copy_(x.sum())  # copies into cpu tensors stay allowed
+    assert scalar.item() == 3.0
+
+
+def test_record_stream_is_accepted():
+    s = torch.tpu.Stream()
+    x = torch.ones(4, device="tpu")
+    x.record_stream(s)
+    torch.tpu.submit(s, lambda: x.mul_(2)).result(timeout=30)
+    assert_close(x.cpu(), torch.full((4,), 2.0))

@@ -100,3 +100,34 @@ def test_seed_changes_initial_seed():
     assert torch.tpu.initial_seed() == s
     with pytest.raises(RuntimeError):
         torch.tpu.set_rng_state(torch.zeros(3, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpointing_recomputes_the_same_dropout_mask(use_reentrant):
+    # torch.utils.checkpoint stashes the device's RNG state only for an initialized device
+    # module (torch.tpu._initialized): else the recomputed forward draws another mask and the
+    # gradients silently differ from the plain forward's.
+    from torch.utils.checkpoint import checkpoint
+
+    def block(a):
+        return torch.nn.functional.dropout(a * a, 0.5, training=True) ** 2
+
+    grads = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        x = torch.linspace(0.5, 2.0, 64, device="tpu").view(4, 16).requires_grad_()
+        out = checkpoint(block, x, use_reentrant=use_reentrant) if checkpointed else block(x)
+        out.sum().backward()
+        grads.append(x.grad.cpu())
+    assert (grads[0] == 0).any() and (grads[0] != 0).any()  # dropout dropped some, kept some
+    assert torch.equal(grads[1], grads[0])
+
+
+def test_a_cpu_generator_is_refused_by_tpu_random_ops():
+    # As CUDA: "Expected a 'cuda' device type for generator".
+    with pytest.raises(RuntimeError, match="Expected a 'tpu' device type for generator but found 'cpu'"):
+        torch.randn(3, device="tpu", generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="Expected a 'tpu' device type for generator"):
+        torch.empty(3, device="tpu").normal_(generator=torch.Generator())
+    g = torch.Generator("tpu").manual_seed(0)
+    assert torch.randn(3, device="tpu", generator=g).device.type == "tpu"

@@ -139,3 +139,35 @@ def test_streams_per_device():
     done = torch.tpu.submit(s1, lambda: "ok")
     torch.tpu.synchronize(1)
     assert done.result(timeout=1) == "ok"
+
+
+READS = {
+    "cpu": lambda x: x.cpu(),
+    "item": lambda x: torch.full((2, 2), x[0, 0].item()),
+    "matmul": lambda x: (x @ torch.eye(2, device="tpu")).cpu(),
+    "to_float64": lambda x: x.to(torch.float64).float().cpu(),
+    "copy_": lambda x: torch.empty(2, 2, device="tpu").copy_(x).cpu(),
+    "clone": lambda x: x.clone().cpu(),
+}
+
+
+@pytest.mark.parametrize("read", sorted(READS))
+def test_every_kernel_under_a_stream_runs_after_its_queued_work(read):
+    # Not only the boxed fallback's ops: copies, .item() and the kernels of our own too.
+    s = torch.tpu.Stream()
+    x = torch.zeros(2, 2, device="tpu")
+    with torch.tpu.stream(s):
+        torch.tpu.submit(s, lambda: (time.sleep(0.1), x.fill_(5.0)))
+        got = READS[read](x)
+    torch.testing.assert_close(got, torch.full((2, 2), 5.0))
+
+
+def test_a_stream_context_on_another_device_restores_the_device_and_its_stream():
+    assert torch.tpu.device_count() >= 2
+    torch.tpu.set_device(0)
+    s1 = torch.tpu.Stream("tpu:1")
+    with torch.tpu.stream(s1):
+        assert torch.tpu.current_device() == 1 and torch.tpu.current_stream(1) == s1
+    assert torch.tpu.current_device() == 0  # as torch.cuda.StreamContext
+    assert torch.tpu.current_stream(1) == torch.tpu.default_stream(1)
+    assert torch.tpu.current_stream(0) == torch.tpu.default_stream(0)

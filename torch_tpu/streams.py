@@ -62,21 +62,27 @@ def set_stream(stream: torch.Stream) -> None:
 
 
 class StreamContext:
-    """Makes ``stream`` current for its device inside a ``with`` block."""
+    """Makes ``stream`` current inside a ``with`` block, and its device current (as
+    torch.cuda.StreamContext); on leaving, the previous stream of each device and the
+    previous device are current again."""
 
     def __init__(self, stream: torch.Stream | None):
         self.stream = stream
-        self.previous: torch.Stream | None = None
+        self.previous: list[torch.Stream] = []  # restored in this order: the device left last
 
     def __enter__(self) -> torch.Stream | None:
         if self.stream is not None:
-            self.previous = torch.accelerator.current_stream(self.stream.device_index)
+            here = torch.accelerator.current_device_index()
+            self.previous = [torch.accelerator.current_stream(here)]
+            if self.stream.device_index != here:
+                self.previous.insert(0, torch.accelerator.current_stream(self.stream.device_index))
             torch.accelerator.set_stream(self.stream)
         return self.stream
 
     def __exit__(self, *exc: object) -> None:
-        if self.previous is not None:
-            torch.accelerator.set_stream(self.previous)
+        for previous in self.previous:  # set_stream makes the stream's device current
+            torch.accelerator.set_stream(previous)
+        self.previous = []
 
 
 def stream(stream: torch.Stream | None) -> StreamContext:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import concurrent.futures
 
+import torch
+
 from torch_tpu import _backend
 
 
@@ -20,6 +22,12 @@ def keep_this_thread_off_openmp() -> None:
     _backend.library.torch_tpu_keep_this_thread_off_openmp()
 
 
+def _start_worker() -> None:
+    keep_this_thread_off_openmp()
+    torch.set_autocast_dtype("tpu", torch.bfloat16)  # as on the thread that loaded the backend
+
+
 def worker(name: str) -> concurrent.futures.ThreadPoolExecutor:
-    """A single worker thread named ``name`` whose ATen ops never start an OpenMP team."""
-    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name, initializer=keep_this_thread_off_openmp)
+    """A single worker thread named ``name`` whose ATen ops never start an OpenMP team, and whose
+    ``torch.autocast("tpu")`` takes bf16 by default, as every thread of the backend."""
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name, initializer=_start_worker)

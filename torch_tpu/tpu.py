@@ -46,6 +46,10 @@ from torch_tpu.random import (
 )
 from torch_tpu.streams import Event, Stream, StreamContext, current_stream, default_stream, set_stream, stream, submit
 
+# The device initializes on import. torch.cuda's flag, which torch.utils.checkpoint reads to
+# stash and restore the device's RNG state around a recomputed forward (dropout masks).
+_initialized = True
+
 __all__ = [
     "Event",
     "Stream",

@@ -1,11 +1,20 @@
 // torch.autocast("tpu"): matmul-family ops in the lower precision (bf16 by
 // default), the fp32 list in fp32, everything else untouched.
 
+#include "TpuAutocast.h"
+
 #include <ATen/autocast_mode.h>
 #include <torch/library.h>
 
 namespace torch_tpu {
+
+void use_bf16_autocast_on_this_thread() {
+  at::autocast::set_autocast_dtype(at::kPrivateUse1, at::kBFloat16);
+}
+
 namespace {
+
+const bool kLoadingThreadDefault = (use_bf16_autocast_on_this_thread(), true);
 
 using at::autocast::CastPolicy;
 

@@ -47,9 +47,18 @@ c10::DeviceIndex find_device(const c10::FunctionSchema& schema, c10::ArrayRef<c1
   *to_cpu = false;
   const char* op = schema.name().c_str();
   const bool allow_cpu = allows_cpu_tensors(schema.operator_name());
-  for (const auto& v : args) {
+  const bool copies = schema.name() == "aten::copy_";  // into a cpu tensor too
+  for (size_t i = 0; i < args.size(); ++i) {
+    const auto& v = args[i];
     if (v.isTensor()) {
-      check_operand_device(op, v.toTensor(), &device, allow_cpu);
+      const at::Tensor& t = v.toTensor();
+      const auto* alias = schema.arguments()[i].alias_info();
+      // A 0-dim cpu tensor mixes in as a scalar operand, never as a result (as on CUDA): the
+      // kernel would resize it in tpu memory and leave the caller's tensor without storage.
+      TORCH_CHECK(copies || !t.defined() || is_tpu(t) || alias == nullptr || !alias->isWrite(),
+                  "Expected all tensors to be on the same device, but found at least two devices, ", t.device(),
+                  " and tpu! (in ", op, ": the result ", schema.arguments()[i].name(), " is on ", t.device(), ")");
+      check_operand_device(op, t, &device, allow_cpu);
     } else if (v.isTensorList()) {
       for (const at::Tensor& t : v.toTensorList()) {
         check_operand_device(op, t, &device, allow_cpu);

@@ -62,10 +62,9 @@ at::Generator host_generator(const std::optional<at::Generator>& gen, c10::Devic
   if (!gen.has_value() || !gen->defined()) {
     return at::check_generator<TpuGeneratorImpl>(default_generator(device))->inner();
   }
-  if (gen->device().type() == c10::DeviceType::PrivateUse1) {
-    return at::check_generator<TpuGeneratorImpl>(*gen)->inner();
-  }
-  return *gen;
+  TORCH_CHECK(gen->device().type() == c10::DeviceType::PrivateUse1,
+              "Expected a 'tpu' device type for generator but found '", gen->device().type(), "'");
+  return at::check_generator<TpuGeneratorImpl>(*gen)->inner();
 }
 
 } // namespace torch_tpu

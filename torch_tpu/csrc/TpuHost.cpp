@@ -1,4 +1,5 @@
 #include "TpuHost.h"
+#include "TpuStream.h"
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/TensorImpl.h>
@@ -91,7 +92,11 @@ at::Tensor owning_host_view(const at::Tensor& t) {
 }
 
 HostScope::HostScope(c10::DeviceIndex device, bool redirect)
-    : device_(resolve(device)), device_scope_(device_), redirect_(redirect ? device_ : -1) {}
+    : device_(resolve(device)), device_scope_(device_), redirect_(redirect ? device_ : -1) {
+  // As every tpu op: work queued on the current stream comes first (a copy, an .item(), a
+  // kernel of our own as much as the boxed fallback's ops).
+  wait_current_stream(device_);
+}
 
 at::Tensor HostScope::view(const at::Tensor& t) {
   if (!is_tpu(t)) {

@@ -83,9 +83,18 @@ at::Tensor empty_strided(
   return empty_strided_on(index_of(device), size, stride, c10::dtype_or_default(dtype));
 }
 
+// ATen's checks of a geometry set on a storage (as_strided, set_): CPU's messages.
+void check_geometry(c10::IntArrayRef stride, int64_t storage_offset) {
+  TORCH_CHECK(storage_offset >= 0, "Tensor: invalid storage offset ", storage_offset);
+  for (const int64_t s : stride) {
+    TORCH_CHECK(s >= 0, "as_strided: Negative strides are not supported at the moment, got strides: ", stride);
+  }
+}
+
 at::Tensor as_strided(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride,
                       std::optional<int64_t> storage_offset) {
   const int64_t offset = storage_offset.value_or(self.storage_offset());
+  check_geometry(stride, offset);
   const auto needed = at::detail::computeStorageNbytes(size, stride, self.dtype().itemsize(), offset);
   TORCH_CHECK(
       needed <= self.storage().nbytes(), "as_strided: size ", size, ", stride ", stride,
@@ -127,6 +136,10 @@ const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
 
 at::Tensor& set_storage(at::Tensor& self, c10::Storage source, int64_t offset,
                         c10::IntArrayRef size, c10::IntArrayRef stride) {
+  TORCH_CHECK(source.device() == self.device(), "Attempted to set the storage of a tensor on device \"",
+              self.device(), "\" to a storage on different device \"", source.device(),
+              "\".  This is no longer allowed; the devices must match.");
+  check_geometry(stride, offset);
   auto* impl = self.unsafeGetTensorImpl();
   if (self.storage().unsafeGetStorageImpl() != source.unsafeGetStorageImpl()) {
     impl->set_storage_keep_dtype(std::move(source));
@@ -220,6 +233,10 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from_and_resize", copy_from_and_resize);
   m.impl("_local_scalar_dense", local_scalar_dense);
   m.impl("_efficientzerotensor", efficient_zero_tensor);
+  // A tpu tensor's memory goes back to the allocator when its last reference goes, and work
+  // queued on a stream holds references to its tensors: nothing to record (as the guard's
+  // recordDataPtrOnStream). Else the fallback would send it to CPU, which has no kernel.
+  m.impl("record_stream", [](at::Tensor&, c10::Stream) {});
 }
 
 // Our cross-device copy reads conjugate and negative views as they are (the

@@ -1,5 +1,6 @@
 #include "TpuStream.h"
 
+#include "TpuAutocast.h"
 #include "TpuDevice.h"
 #include "TpuThreads.h"
 
@@ -75,6 +76,7 @@ class Queue {
  private:
   void run() {
     keep_this_thread_off_openmp();
+    use_bf16_autocast_on_this_thread();
     for (;;) {
       std::function<void()> task;
       {
