@@ -312,3 +312,40 @@ def test_all_to_all_columns_places_blocks_in_their_columns(world_size):
         assert checked[:4] == [f"{t} {d}" for d in (torch.float32, torch.bfloat16) for t in ("shared_memory", "gloo")]
         assert (f"rank 1: tpu_dist all_to_all_columns: output column run [{columns - 1}, {columns + 2}) lies "
                 f"outside its {columns} columns") in checked[4], checked[4:]
+
+
+def issue_order_and_futures(rank: int, world: int) -> dict:
+    # A list all_gather goes to gloo (async); the all_reduce after it rides the channel on the
+    # calling thread. It must wait: gloo's order is issue order.
+    big = torch.ones(1 << 16, device="tpu")
+    works = [dist.all_gather([torch.zeros_like(big) for _ in range(world)], big, async_op=True) for _ in range(4)]
+    x = torch.full((4,), float(rank + 1), device="tpu")
+    gathered = [torch.zeros(4, device="tpu") for _ in range(world)]
+    works.append(dist.all_gather(gathered, x, async_op=True))
+    dist.all_reduce(x)
+    for w in works:
+        w.wait()
+    y = torch.ones(3, device="tpu")
+    work = dist.all_reduce(y, async_op=True)
+    value = work.get_future().wait()[0]
+    followed = work.get_future().then(lambda f: f.value()[0] + torch.ones(3, device="tpu")).wait()
+    # Integer averages are summed wide: the sums overflow their type, the averages do not.
+    averages = {}
+    for dtype, values in ((torch.uint8, [200, 100]), (torch.int8, [100, -100]), (torch.int32, [2**30, 2**30 - 2])):
+        z = torch.tensor([values[rank], 7 * rank], dtype=dtype, device="tpu")
+        dist.all_reduce(z, op=dist.ReduceOp.AVG)
+        averages[str(dtype)] = z.cpu()
+    return {"gathered": [g.cpu() for g in gathered], "x": x.cpu(), "future_is_callers": value is y,
+            "followed": followed.cpu(), "averages": averages}
+
+
+def test_carried_collectives_keep_issue_order_hand_back_the_callers_tensors_and_average_integers():
+    world = 2
+    for rank, r in enumerate(assert_all_ok(run_ranks(issue_order_and_futures, world))):
+        assert_close(torch.stack(r["gathered"]), torch.tensor([[1.0] * 4, [2.0] * 4]), rtol=0, atol=0)  # pre all_reduce
+        assert_close(r["x"], torch.full((4,), 3.0))
+        assert r["future_is_callers"], f"rank {rank}: the future holds a host view, not the caller's tensor"
+        assert_close(r["followed"], torch.full((3,), 3.0))
+        assert_close(r["averages"]["torch.uint8"], torch.tensor([150, 3], dtype=torch.uint8))  # 7 // 2
+        assert_close(r["averages"]["torch.int8"], torch.tensor([0, 3], dtype=torch.int8))
+        assert_close(r["averages"]["torch.int32"], torch.tensor([2**30 - 1, 3], dtype=torch.int32))

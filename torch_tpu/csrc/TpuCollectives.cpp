@@ -47,9 +47,12 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
+#include <vector>
 
 namespace torch_tpu {
 namespace {
@@ -168,8 +171,55 @@ void lower_premul_sum(const c10::FunctionSchema& schema, torch::jit::Stack& args
   args[op_index] = c10::make_intrusive<c10d::ReduceOp>(c10d::ReduceOp::SUM);
 }
 
+// The collectives each group's gloo backend may still be running, issued through
+// the kernels here (collectives on tpu tensors; carried ones gloo took): a
+// collective the channel carries waits for it first, so a group's collectives
+// complete in the order they were issued, as on gloo. (Collectives on cpu
+// tensors that the channel never carries reach gloo without passing here.)
+class PendingGlooWork {
+ public:
+  void issued(const std::string& group, c10::intrusive_ptr<c10d::Work> work) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& works = pending_[group];
+    works.erase(std::remove_if(works.begin(), works.end(), [](const auto& w) { return w->isCompleted(); }),
+                works.end());
+    works.push_back(std::move(work));
+  }
+
+  // Waits for the group's pending work (raising its error, if any).
+  void wait(const std::string& group) {
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = pending_.find(group);
+      if (it == pending_.end()) return;
+      works.swap(it->second);
+    }
+    for (const auto& w : works) w->wait();
+  }
+
+ private:
+  std::mutex mu_;
+  std::unordered_map<std::string, std::vector<c10::intrusive_ptr<c10d::Work>>> pending_;
+};
+
+PendingGlooWork& pending_gloo_work() {
+  static auto* pending = new PendingGlooWork();
+  return *pending;
+}
+
+// Point-to-point ops are not in a group's order: a send completes when its peer
+// receives, which the peer may do after a later collective.
+bool is_collective(const std::string& op) {
+  return op != "c10d::send" && op != "c10d::recv_" && op != "c10d::recv_any_source_";
+}
+
+std::string group_name(const c10::FunctionSchema& schema, const torch::jit::Stack& args) {
+  return args[*schema.argumentIndexWithName("process_group")].toCustomClass<c10d::ProcessGroup>()->getGroupName();
+}
+
 // A collective that finished on the calling thread. Its future holds the
-// results as CPU tensors on the tpu memory, as gloo's futures do here.
+// results: the caller's tensors.
 class DoneWork : public c10d::Work {
  public:
   DoneWork(c10d::OpType type, std::vector<at::Tensor> results)
@@ -220,6 +270,7 @@ c10::intrusive_ptr<c10d::Work> run_on_channel(const c10::FunctionSchema& schema,
   auto reduce_op = [&] { return arg("reduce_op").toCustomClass<c10d::ReduceOp>()->op_; };
   const shm::Timeout timeout(arg("timeout").toInt());
 
+  pending_gloo_work().wait(group_name(schema, args));
   std::lock_guard<std::mutex> lock(channel.mutex());
   if (op == "c10d::allreduce_") {
     const auto tensors = arg("tensors").toTensorVector();
@@ -268,14 +319,21 @@ void collective_on_host(const c10::OperatorHandle& op, c10::DispatchKeySet, torc
   lower_premul_sum(schema, args);
   if (auto channel = carrying_channel(schema, args)) {
     if (auto work = run_on_channel(schema, args, *channel)) {
-      push_returns(schema, stack, views.to_tpu(args[0]), std::move(work));
+      std::vector<at::Tensor> results;  // the caller's tpu tensors, not their host views
+      for (const at::Tensor& t : work->result()) results.push_back(views.to_tpu(t).toTensor());
+      push_returns(schema, stack, views.to_tpu(args[0]),
+                   c10::make_intrusive<DoneWork>(work->retrieveOpType(), std::move(results)));
       return;
     }
   }
+  const std::string group = group_name(schema, args);
   std::copy(args.begin(), args.end(), stack->end() - num_args);
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
   const size_t num_returns = schema.returns().size();
   for (auto it = stack->end() - num_returns; it != stack->end(); ++it) *it = views.to_tpu(*it);
+  if (is_collective(schema.name()) && stack->back().isCustomClass()) {
+    pending_gloo_work().issued(group, stack->back().toCustomClass<c10d::Work>());
+  }
 }
 
 bool all_dense_cpu(const torch::jit::Stack& args) {
@@ -337,7 +395,9 @@ void collective_on_cpu(const c10::OperatorHandle& op, c10::DispatchKeySet, torch
       return;
     }
   }
-  push_returns(schema, stack, args[0], run_on_cpu_backend(schema, args));
+  auto work = run_on_cpu_backend(schema, args);
+  pending_gloo_work().issued(group_name(schema, args), work);
+  push_returns(schema, stack, args[0], std::move(work));
 }
 
 bool takes_process_group(const c10::FunctionSchema& schema) {

@@ -220,6 +220,14 @@ void reduce_slots(Channel& ch, int set, int64_t at, int64_t n, char* dest, at::S
   std::vector<at::Tensor> parts;
   for (int r = 0; r < ch.world(); ++r) parts.push_back(flat(ch.slot(set, r) + at, n, dtype));
   at::Tensor out = flat(dest, n, dtype);
+  if (op == ReduceOp::AVG && at::isIntegralType(dtype, /*includeBool=*/true)) {
+    // Summed in int64: a narrow type's sum overflows it (uint8 200 + 100), its average does
+    // not. The average truncates, as integer division does.
+    at::Tensor sum = parts[0].to(at::kLong, /*non_blocking=*/false, /*copy=*/true);  // the peers read the slots
+    for (size_t i = 1; i < parts.size(); ++i) sum.add_(parts[i]);
+    out.copy_(sum.div_(static_cast<int64_t>(parts.size()), "trunc"));
+    return;
+  }
   if (parts.size() == 1) {
     out.copy_(parts[0]);
   } else {
@@ -227,9 +235,7 @@ void reduce_slots(Channel& ch, int set, int64_t at, int64_t n, char* dest, at::S
     for (size_t i = 2; i < parts.size(); ++i) combine(out, out, parts[i], op);
   }
   if (op == ReduceOp::AVG) {
-    const auto world = at::scalar_tensor(static_cast<int64_t>(parts.size()), at::kLong);
-    const bool exact = at::isIntegralType(out.scalar_type(), /*includeBool=*/true);
-    at::cpu::div_out(out, out, world, exact ? std::optional<c10::string_view>("trunc") : std::nullopt);
+    at::cpu::div_out(out, out, at::scalar_tensor(static_cast<int64_t>(parts.size()), at::kLong));
   }
 }
 
