@@ -71,7 +71,8 @@ class BatchLoader:
     """Iterates one epoch of batches; call :meth:`set_epoch` between epochs, as with DistributedSampler."""
 
     def __init__(self, source: Source, batch_size: int, *, seed: int = 0, shuffle: bool = True, rank: int = 0,
-                 world_size: int = 1, preprocessor: Preprocessor | None = None, num_workers: int = 0) -> None:
+                 world_size: int = 1, preprocessor: Preprocessor | None = None, num_workers: int = 0,
+                 drop_last: bool = True) -> None:
         if batch_size <= 0 or batch_size % world_size:
             raise ValueError(f"batch_size {batch_size} must be a positive multiple of world_size {world_size}")
         if not 0 <= rank < world_size:
@@ -81,12 +82,15 @@ class BatchLoader:
         self.source, self.batch_size, self.seed, self.shuffle = source, batch_size, seed, shuffle
         self.rank, self.world_size = rank, world_size
         self.preprocessor, self.num_workers = preprocessor, num_workers
+        self.drop_last = drop_last
         self.epoch = 0
         self.start_batch = 0
 
     def __len__(self) -> int:
-        """Global batches per epoch (a last partial batch is dropped)."""
-        return len(self.source) // self.batch_size
+        """Global batches per epoch (a last partial batch is dropped unless ``drop_last`` is False)."""
+        if self.drop_last:
+            return len(self.source) // self.batch_size
+        return -(-len(self.source) // self.batch_size)
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         """The epoch to iterate next, from its ``start_batch``-th batch (to resume mid-epoch)."""
@@ -102,9 +106,11 @@ class BatchLoader:
 
     def batch(self, index: int) -> Batch:
         """This rank's slice of global batch ``index``."""
-        local = self.batch_size // self.world_size
-        start = index * self.batch_size + self.rank * local
-        samples = self.source.rows(start, start + local)
+        first = index * self.batch_size
+        rows = min(self.batch_size, len(self.source) - first)  # fewer in a last partial batch
+        # Ranks split a partial batch as evenly as they can (a full one: batch_size / world_size each).
+        start, stop = (first + rows * r // self.world_size for r in (self.rank, self.rank + 1))
+        samples = self.source.rows(start, stop)
         kjt = samples.kjt()
         sparse = self.preprocessor(kjt) if self.preprocessor is not None else kjt
         return Batch(dense=torch.from_numpy(samples.dense), sparse=sparse, labels=torch.from_numpy(samples.labels))

@@ -287,8 +287,9 @@ class SyntheticCriteo:
 
 
 def binary_auc(scores: np.ndarray, labels: np.ndarray) -> float:
-    """ROC AUC by the rank-sum (Mann-Whitney) formula, ties averaged, in float64 (torchmetrics'
-    binary_auroc, which the trainer's validation uses, returns float32)."""
+    """ROC AUC by the rank-sum (Mann-Whitney) formula, ties averaged, in float64: the teacher's
+    and the trainer's validation AUC (models.evaluation), exact where torchmetrics' binary_auroc
+    works on float32 probabilities."""
     order = np.argsort(scores, kind="mergesort")
     ranks = np.empty(len(scores), dtype=np.float64)
     sorted_scores = scores[order]

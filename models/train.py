@@ -125,6 +125,16 @@ class TrainConfig:
     ``none``: the plain loop (forward, backward, step per batch)."""
 
     def __post_init__(self) -> None:
+        self._check_counts()
+        # Training needs real storage: cpu, or the tpu (meta and the rest have no data or no backend here).
+        bad_device = ValueError(f"device {self.device!r}: expected 'tpu' or 'cpu' (optionally with an index, "
+                                f"e.g. 'tpu:0')")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise bad_device from None
+        if device.type not in ("tpu", "cpu"):
+            raise bad_device
         if self.model not in ("dlrm", "dcn"):
             raise ValueError(f"model {self.model!r}: expected 'dlrm' or 'dcn'")
         if self.embedding_optimizer not in EMBEDDING_OPTIMIZERS:
@@ -141,6 +151,24 @@ class TrainConfig:
             raise ValueError(f"pipeline {self.pipeline!r}: expected 'exact' or 'none'")
         if self.dense_parallel not in ("ddp", "fsdp2"):
             raise ValueError(f"dense_parallel {self.dense_parallel!r}: expected 'ddp' or 'fsdp2'")
+
+    def _check_counts(self) -> None:
+        """Counts and sizes in range, so a bad flag is refused up front rather than as a traceback
+        (a division by zero, TorchRec's assertions) or after a whole run (no validation batches)."""
+        at_least = {"batch_size": 1, "embedding_dim": 1, "dcn_layers": 1, "dcn_rank": 1, "num_samples": 1,
+                    "val_samples": 1, "epochs": 0, "checkpoint_interval": 1,
+                    # 0: validate only at the end (and --steps 0: no training, as asked).
+                    "eval_interval": 0, "steps": 0, "eval_batches": 1, "num_workers": 0}
+        for name, low in at_least.items():
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise ValueError(f"{name} {value}: expected an integer >= {low}")
+        for name in ("dense_arch", "over_arch"):
+            sizes = getattr(self, name)
+            if not sizes or min(sizes) < 1:
+                raise ValueError(f"{name} {sizes}: expected layer sizes >= 1")
+        if not self.scale > 0:
+            raise ValueError(f"scale {self.scale}: expected a factor > 0")
 
     def comparable(self) -> dict[str, Any]:
         """What a checkpoint must agree on to be resumed (not run length or bookkeeping)."""
@@ -266,6 +294,28 @@ def read_limits(path: Path) -> dict[str, dict[str, int]]:
     return payload["tables"]
 
 
+def earlier_limits(path: Path) -> dict[str, dict[str, int]]:
+    """The maxima an earlier part of a resumed run wrote to ``path`` (none if it wrote none)."""
+    if not path.exists():
+        return {}
+    try:
+        return read_limits(path)
+    except ValueError as error:
+        logger.warning("%s: the earlier part's maxima are not readable (%s); writing this part's only", path, error)
+        return {}
+
+
+def merge_limits(*parts: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """Per table and limit, the most any part observed."""
+    merged: dict[str, dict[str, int]] = {}
+    for part in parts:
+        for table, seen in part.items():
+            into = merged.setdefault(table, {})
+            for key, value in seen.items():
+                into[key] = max(into.get(key, 0), int(value))
+    return merged
+
+
 def write_limits(path: Path, observed: dict[str, dict[str, int]], cfg: TrainConfig, world_size: int) -> None:
     text = json.dumps({"format": LIMITS_FORMAT, "world_size": world_size, "plan": cfg.plan,
                        "batch_size": cfg.batch_size, "tables": observed}, indent=1)
@@ -337,7 +387,8 @@ class Trainer:
         shards = dict(rank=self.rank, world_size=self.world_size, preprocessor=preprocessor,
                       num_workers=loader_workers(cfg.num_workers))
         self.train_loader = BatchLoader(self.data.train, cfg.batch_size, seed=cfg.seed, shuffle=True, **shards)
-        self.val_loader = BatchLoader(self.data.val, cfg.batch_size, shuffle=False, **shards)
+        # The whole split, its last partial batch too (the teacher's AUC beside it covers every row).
+        self.val_loader = BatchLoader(self.data.val, cfg.batch_size, shuffle=False, drop_last=False, **shards)
         per_epoch = len(self.train_loader)
         self.total_steps = cfg.steps if cfg.steps is not None else cfg.epochs * per_epoch
         self.step = 0
@@ -450,46 +501,56 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=self.step, unit="step", disable=not cfg.progress or self.rank != 0,
                    dynamic_ncols=True, file=sys.stderr)
         interrupted = False
-        with torch.tpu.precision(cfg.precision) if self.device.type == "tpu" else contextlib.nullcontext(), _Interrupt() as stop:
-            self.model.train()
-            batches = self._batches()
-            while self.step < self.total_steps:
-                started = time.perf_counter()
-                loss = self.train_step(batches)
-                train_time += time.perf_counter() - started
-                self.step += 1
-                self.losses.append(loss)
-                samples += cfg.batch_size
-                window_loss, window_steps = window_loss + loss, window_steps + 1
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{samples / train_time:,.0f}", refresh=False)
-                last = self.step == self.total_steps
-                if (cfg.eval_interval and self.step % cfg.eval_interval == 0) or last:
-                    metrics = self.validate()
-                    entry = {"step": self.step, "train_loss": window_loss / window_steps,
-                             "samples_per_s": samples / train_time, "val_auc": metrics["auc"],
-                             "val_log_loss": metrics["log_loss"]}
-                    self._record(entry)
-                    summary.update(entry)
-                    window_loss, window_steps = 0.0, 0
-                    if self.rank == 0:
-                        bar.write(f"step {self.step}: train loss {entry['train_loss']:.4f}, "
-                                  f"val AUC {metrics['auc']:.4f}, val log loss {metrics['log_loss']:.4f}")
-                if last or (self.checkpoint_path and self.step % cfg.checkpoint_interval == 0):
-                    self._save()
-                if stop.requested:
-                    self._save()
-                    interrupted = True
-                    break
-        if self.pipeline is not None:
-            self.pipeline.close()
-        bar.close()
+        try:
+            precision = torch.tpu.precision(cfg.precision) if self.device.type == "tpu" else contextlib.nullcontext()
+            with precision, _Interrupt() as stop:
+                self.model.train()
+                batches = self._batches()
+                while self.step < self.total_steps:
+                    started = time.perf_counter()
+                    loss = self.train_step(batches)
+                    train_time += time.perf_counter() - started
+                    self.step += 1
+                    self.losses.append(loss)
+                    samples += cfg.batch_size
+                    window_loss, window_steps = window_loss + loss, window_steps + 1
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{samples / train_time:,.0f}", refresh=False)
+                    last = self.step == self.total_steps
+                    # Saved before validating: a validation that fails cannot lose the steps trained.
+                    if last or (self.checkpoint_path and self.step % cfg.checkpoint_interval == 0):
+                        self._save()
+                    if (cfg.eval_interval and self.step % cfg.eval_interval == 0) or last:
+                        metrics = self.validate()
+                        entry = {"step": self.step, "train_loss": window_loss / window_steps,
+                                 "samples_per_s": samples / train_time, "val_auc": metrics["auc"],
+                                 "val_log_loss": metrics["log_loss"]}
+                        self._record(entry)
+                        summary.update(entry)
+                        window_loss, window_steps = 0.0, 0
+                        if self.rank == 0:
+                            bar.write(f"step {self.step}: train loss {entry['train_loss']:.4f}, "
+                                      f"val AUC {format_auc(metrics['auc'])}, val log loss {metrics['log_loss']:.4f}")
+                    if stop.requested:
+                        self._save()
+                        interrupted = True
+                        break
+        finally:
+            # Also when a step or a validation raises: the pipeline's reader thread must not
+            # outlive the run.
+            if self.pipeline is not None:
+                self.pipeline.close()
+            bar.close()
         # The most ids any SparseCore partition carried (all-reduced over the ranks), saved
         # with the run: --limits seeds a later run's partition limits from it.
         summary["observed_limits"] = self.ebc.observed_limits()
         if self.metrics_path is not None and self.rank == 0:
-            write_limits(self.metrics_path.parent / LIMITS_FILENAME, summary["observed_limits"], cfg,
-                         self.world_size)
+            path = self.metrics_path.parent / LIMITS_FILENAME
+            observed = summary["observed_limits"]
+            if cfg.resume:
+                # This process saw only the steps after the checkpoint: the file keeps the run's maxima.
+                observed = merge_limits(earlier_limits(path), observed)
+            write_limits(path, observed, cfg, self.world_size)
         summary.update({"steps": self.step, "interrupted": interrupted, "train_seconds": train_time,
                         "samples_per_s": samples / train_time if train_time > 0 else 0.0})
         if self.device.type == "tpu":
@@ -504,6 +565,11 @@ class Trainer:
                                              "eager_share": s.eager_share(),
                                              "not_recorded": dict(s.not_recorded)}
         return summary
+
+
+def format_auc(auc: float | None) -> str:
+    """An AUC for the log; None (a validation set of one class) has none."""
+    return "undefined: the validation labels are all one class" if auc is None else f"{auc:.4f}"
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -602,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     teacher = summary.get("teacher_auc")
     if "val_auc" in summary:
-        print(f"final validation AUC {summary['val_auc']:.4f}"
+        print(f"final validation AUC {format_auc(summary['val_auc'])}"
               + (f" (teacher, the best reachable: {teacher:.4f})" if teacher is not None else "")
               + f", log loss {summary['val_log_loss']:.4f}")
     print(f"{summary['steps']} steps, {summary['samples_per_s']:,.0f} samples/s ({summary['train_seconds']:.1f} s in training steps)")
