@@ -20,6 +20,7 @@ Sharding types carry TorchRec's names (``torchrec.distributed.types.ShardingType
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -43,6 +44,18 @@ COMPUTE_OPTIONS = {"max_ids_per_partition": int, "max_unique_ids_per_partition":
 
 class PlanError(SparseCoreError):
     """A plan that does not fit the tables or the world: names what is wrong and what was expected."""
+
+
+def _is_int(value: Any) -> bool:
+    """A true integer: JSON's true/false are ints to Python, but no rank or width."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_list(field: str, value: Any) -> tuple[int, ...]:
+    """A JSON list of integers as a tuple; PlanError naming ``field`` otherwise."""
+    if not isinstance(value, (list, tuple)) or not all(_is_int(v) for v in value):
+        raise PlanError(f"{field} {value!r}; expected a list of integers")
+    return tuple(value)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,9 +87,16 @@ class TableSharding:
                             f"column_widths, compute")
         if "sharding_type" not in data or "ranks" not in data:
             raise PlanError(f"table {table!r}: sharding_type and ranks are required")
-        widths = data.get("column_widths")
-        return cls(sharding_type=data["sharding_type"], ranks=tuple(data["ranks"]),
-                   column_widths=None if widths is None else tuple(widths), compute=dict(data.get("compute", {})))
+        if not isinstance(data["sharding_type"], str):
+            raise PlanError(f"table {table!r}: sharding_type {data['sharding_type']!r}; expected one of "
+                            f"{list(SHARDING_TYPES)}")
+        widths, compute = data.get("column_widths"), data.get("compute", {})
+        if not isinstance(compute, Mapping):
+            raise PlanError(f"table {table!r}: compute {compute!r}; expected an object of options from "
+                            f"{sorted(COMPUTE_OPTIONS)}")
+        return cls(sharding_type=data["sharding_type"], ranks=_int_list(f"table {table!r}: ranks", data["ranks"]),
+                   column_widths=None if widths is None else _int_list(f"table {table!r}: column_widths", widths),
+                   compute=dict(compute))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -113,18 +133,30 @@ class ShardingPlan:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ShardingPlan:
         version = data.get("version")
-        if version != PLAN_VERSION:
+        if not _is_int(version) or version != PLAN_VERSION:
             raise PlanError(f"plan format version {version!r} is not supported; expected {PLAN_VERSION}")
         unknown = set(data) - {"version", "world_size", "chip", "sparsecores_per_chip", "hosts", "tables"}
         if unknown:
             raise PlanError(f"unknown plan field(s) {sorted(unknown)}")
         if "world_size" not in data or "tables" not in data:
             raise PlanError("a plan needs world_size and tables")
-        hosts = data.get("hosts")
+        for field in ("world_size", "sparsecores_per_chip"):
+            if field in data and (not _is_int(data[field]) or data[field] <= 0):
+                raise PlanError(f"{field}={data[field]!r}; expected a positive integer")
+        if not isinstance(data.get("chip", ""), str):
+            raise PlanError(f"chip={data['chip']!r}; expected a chip name, e.g. \"v5p\"")
+        hosts, tables = data.get("hosts"), data["tables"]
+        if hosts is not None and not isinstance(hosts, (list, tuple)):
+            raise PlanError(f"hosts {hosts!r}; expected a list of each host's ranks, e.g. [[0, 1], [2, 3]]")
+        if not isinstance(tables, Mapping):
+            raise PlanError(f"tables {type(tables).__name__}; expected an object {{table name: its sharding}}")
+        for name, t in tables.items():
+            if not isinstance(t, Mapping):
+                raise PlanError(f"table {name!r}: {t!r}; expected an object {{sharding_type, ranks, ...}}")
         return cls(world_size=data["world_size"], chip=data.get("chip", "v5p"),
                    sparsecores_per_chip=data.get("sparsecores_per_chip", 4),
-                   hosts=None if hosts is None else tuple(tuple(h) for h in hosts),
-                   tables={name: TableSharding.from_dict(name, t) for name, t in data["tables"].items()},
+                   hosts=None if hosts is None else tuple(_int_list(f"hosts[{i}]", h) for i, h in enumerate(hosts)),
+                   tables={name: TableSharding.from_dict(name, t) for name, t in tables.items()},
                    version=version)
 
     @classmethod
@@ -141,9 +173,15 @@ class ShardingPlan:
         """Writes the plan as JSON, atomically (a crash leaves any previous file whole)."""
         path = Path(path)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(self.to_json() + "\n")
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(self.to_json() + "\n")
+            os.replace(tmp, path)
+        except BaseException:
+            # The write or the rename failed (a full disk, path a folder): leave no temp file behind.
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> ShardingPlan:
@@ -151,34 +189,38 @@ class ShardingPlan:
 
     def validate(self, tables: Sequence[SparseCoreEmbeddingConfig | TorchRecConfig]) -> None:
         """Raises PlanError naming the first thing that does not fit these tables and this world."""
-        configs = {c.name: c for c in map(as_sparsecore_config, tables)}
-        if not isinstance(self.world_size, int) or self.world_size <= 0:
+        self.validate_dims({c.name: c.embedding_dim for c in map(as_sparsecore_config, tables)})
+
+    def validate_dims(self, dims: Mapping[str, int]) -> None:
+        """``validate`` against tables given as name -> embedding dim (all a plan's checks need),
+        e.g. the planner's TableSpecs."""
+        if not _is_int(self.world_size) or self.world_size <= 0:
             raise PlanError(f"world_size={self.world_size!r}; expected a positive integer")
-        if not isinstance(self.sparsecores_per_chip, int) or self.sparsecores_per_chip <= 0:
+        if not _is_int(self.sparsecores_per_chip) or self.sparsecores_per_chip <= 0:
             raise PlanError(f"sparsecores_per_chip={self.sparsecores_per_chip!r}; expected a positive integer")
         self._validate_hosts()
-        unknown = sorted(set(self.tables) - set(configs))
+        unknown = sorted(set(self.tables) - set(dims))
         if unknown:
-            raise PlanError(f"the plan shards unknown table(s) {unknown}; the module's tables are {sorted(configs)}")
-        missing = sorted(set(configs) - set(self.tables))
+            raise PlanError(f"the plan shards unknown table(s) {unknown}; the module's tables are {sorted(dims)}")
+        missing = sorted(set(dims) - set(self.tables))
         if missing:
             raise PlanError(f"the plan has no sharding for table(s) {missing}")
         for name, sharding in self.tables.items():
-            self._validate_table(name, sharding, configs[name])
+            self._validate_table(name, sharding, dims[name])
 
     def _validate_hosts(self) -> None:
         ranks = [r for h in self.host_groups for r in h]
         if sorted(ranks) != list(range(self.world_size)):
             raise PlanError(f"hosts {self.host_groups} must hold every rank 0..{self.world_size - 1} exactly once")
 
-    def _validate_table(self, name: str, sharding: TableSharding, config: SparseCoreEmbeddingConfig) -> None:
+    def _validate_table(self, name: str, sharding: TableSharding, dim: int) -> None:
         kind, ranks = sharding.sharding_type, sharding.ranks
         if kind not in SHARDING_TYPES:
             raise PlanError(f"table {name!r}: sharding_type {kind!r} is unknown; expected one of {SHARDING_TYPES}")
         if not ranks:
             raise PlanError(f"table {name!r}: ranks is empty; expected at least one rank")
         for r in ranks:
-            if not isinstance(r, int) or not 0 <= r < self.world_size:
+            if not _is_int(r) or not 0 <= r < self.world_size:
                 raise PlanError(f"table {name!r}: rank {r!r} is out of range; expected 0 <= rank < {self.world_size}")
         if kind != COLUMN_WISE and len(set(ranks)) != len(ranks):
             raise PlanError(f"table {name!r}: ranks {list(ranks)} repeat a rank ({kind} takes each rank once)")
@@ -194,9 +236,9 @@ class ShardingPlan:
             if widths is None or len(widths) != len(ranks):
                 raise PlanError(f"table {name!r}: column_wise needs one column width per rank ({len(ranks)}), "
                                 f"got {None if widths is None else list(widths)}")
-            if any(not isinstance(w, int) or w <= 0 for w in widths) or sum(widths) != config.embedding_dim:
+            if any(not _is_int(w) or w <= 0 for w in widths) or sum(widths) != dim:
                 raise PlanError(f"table {name!r}: column widths {list(widths)} must be positive and sum to the "
-                                f"table's dim {config.embedding_dim}")
+                                f"table's dim {dim}")
         elif sharding.column_widths is not None:
             raise PlanError(f"table {name!r}: column_widths is for column_wise tables only ({kind} given)")
         for key, value in sharding.compute.items():

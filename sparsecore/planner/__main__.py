@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -23,15 +24,51 @@ from sparsecore.planner.specs import SpecError, presets, read_preset, read_table
 from sparsecore.planner.topology import parse_topology
 
 
+CONSTRAINT_KEYS = ("sharding_types", "ranks")
+MAX_BATCH_SIZE = 2**31
+"""Far beyond any real global batch; larger ones overflow the byte counts (int64)."""
+HBM_GIB_RANGE = (2**-10, 2**20)
+"""1 MiB to 1 PiB per chip: below, not even one table fits; above, the byte counts overflow."""
+
+
 def read_constraints(path: Path) -> dict[str, Constraint]:
     """``{"<table>": {"sharding_types": [...], "ranks": [...]}}``."""
     try:
         data = json.loads(path.read_text())
-        return {name: Constraint(sharding_types=tuple(c.get("sharding_types", Constraint().sharding_types)),
-                                 ranks=tuple(c["ranks"]) if c.get("ranks") is not None else None)
-                for name, c in data.items()}
-    except (OSError, ValueError, AttributeError, TypeError) as error:
+    except (OSError, ValueError) as error:
         raise SpecError(f"--constraints {path}: expected {{table: {{sharding_types, ranks}}}} JSON ({error})") from error
+    if not isinstance(data, dict):
+        raise SpecError(f"--constraints {path}: a JSON {type(data).__name__}; expected an object "
+                        f"{{table: {{sharding_types, ranks}}}}")
+    constraints = {}
+    for name, c in data.items():
+        if not isinstance(c, dict):
+            raise SpecError(f"--constraints {path}: table {name!r}: {c!r}; expected an object with keys "
+                            f"{list(CONSTRAINT_KEYS)}")
+        # A misspelt key ("rank") would otherwise be dropped and the table planned unconstrained.
+        unknown = sorted(set(c) - set(CONSTRAINT_KEYS))
+        if unknown:
+            raise SpecError(f"--constraints {path}: table {name!r}: unknown key(s) {unknown}; expected some of "
+                            f"{list(CONSTRAINT_KEYS)}")
+        try:
+            constraints[name] = Constraint(sharding_types=c.get("sharding_types", Constraint().sharding_types),
+                                           ranks=c.get("ranks"))
+        except ValueError as error:
+            raise SpecError(f"--constraints {path}: table {name!r}: {error}") from error
+    return constraints
+
+
+def check_options(a: argparse.Namespace) -> None:
+    """Ranges of the numeric options: out of range they would overflow or be silently ignored."""
+    if not 0 < a.batch_size <= MAX_BATCH_SIZE:
+        raise SpecError(f"--batch-size {a.batch_size}: expected a positive integer at most {MAX_BATCH_SIZE}")
+    low, high = HBM_GIB_RANGE
+    if a.hbm_gib is not None and not (math.isfinite(a.hbm_gib) and low <= a.hbm_gib <= high):
+        raise SpecError(f"--hbm-gib {a.hbm_gib}: expected a number of GiB per chip from {low} to {high}")
+    if a.out is not None and (a.out.is_dir() or not a.out.parent.is_dir()):
+        # Checked before planning, so a typo costs no planning time (save() still reports a late failure).
+        raise SpecError(f"--out {a.out}: expected a file path in an existing folder"
+                        + (" (it is a folder)" if a.out.is_dir() else f" ({a.out.parent} does not exist)"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,9 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--format", choices=["table", "json", "markdown"], default="table")
     a = p.parse_args(argv)
     try:
-        if a.batch_size <= 0:
-            raise SpecError(f"--batch-size {a.batch_size}: expected a positive integer")
-        topology = parse_topology(a.topology, hbm_bytes=int(a.hbm_gib * 2**30) if a.hbm_gib else None,
+        check_options(a)
+        topology = parse_topology(a.topology, hbm_bytes=None if a.hbm_gib is None else int(a.hbm_gib * 2**30),
                                   chips_per_host=a.chips_per_host)
         explicit = {k: v for k, v in (("sparsecores_per_chip", a.sparsecores_per_chip), ("hbm_gbps", a.hbm_gbps),
                                       ("ici_gbps", a.ici_gbps)) if v is not None}
@@ -69,7 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sparsecore-plan: error: {error}", file=sys.stderr)
         return 2
     if a.out is not None:
-        result.plan.save(a.out)
+        try:
+            result.plan.save(a.out)
+        except OSError as error:
+            print(f"sparsecore-plan: error: --out {a.out}: cannot write the plan ({error.strerror or error}); "
+                  f"expected a writable file path in an existing folder", file=sys.stderr)
+            return 2
     print(as_json(result) if a.format == "json" else as_text(result, markdown=a.format == "markdown"))
     return 0
 

@@ -47,6 +47,32 @@ class Constraint:
     ranks: tuple[int, ...] | None = None
     """Devices the table may use (table-wise: one of them; other types: all of them)."""
 
+    def __post_init__(self) -> None:
+        """Checks what a constraint can know without the topology (``plan_tables`` checks the
+        ranks' range): a wrong value must be an error, not a silently different plan."""
+        kinds = self.sharding_types
+        if isinstance(kinds, str) or not isinstance(kinds, Sequence) or not kinds:
+            raise ValueError(f"sharding_types={kinds!r}; expected a non-empty list of {list(SHARDING_TYPES)}")
+        unknown = [k for k in kinds if not isinstance(k, str) or k not in SHARDING_TYPES]
+        if unknown:
+            raise ValueError(f"sharding type(s) {unknown} unknown; expected some of {list(SHARDING_TYPES)}")
+        object.__setattr__(self, "sharding_types", tuple(kinds))
+        if self.ranks is None:
+            return
+        if isinstance(self.ranks, str) or not isinstance(self.ranks, Sequence) or not self.ranks:
+            raise ValueError(f"ranks={self.ranks!r}; expected a non-empty list of device numbers, or none "
+                             f"(any device)")
+        for r in self.ranks:
+            # bool is an int, 1.0 indexes nothing: only true integers name a device.
+            if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 0:
+                raise ValueError(f"rank {r!r} in ranks {list(self.ranks)}; expected a device number (an integer >= 0)")
+        # A repeated rank would put two shards on one device, each checked alone against its HBM
+        # (ShardingPlan.validate refuses such plans too).
+        repeated = sorted({int(r) for r in self.ranks if list(self.ranks).count(r) > 1})
+        if repeated:
+            raise ValueError(f"ranks {list(self.ranks)} repeat rank(s) {repeated}; expected each device once")
+        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
@@ -209,12 +235,16 @@ def plan_tables(tables: Sequence[TableSpec], topology: Topology, batch_size: int
         raise PlanningError(f"constraints name unknown tables {unknown}")
     chips = topology.chips
     state = _Loads(tables, topology, batch_size, model)
+    if state.used.min() >= state.capacity:
+        raise PlanningError(_baseline_over(state, topology, batch_size))
     options = {}
     for t in tables:
         c = constraints.get(t.name, Constraint())
         devices = c.ranks if c.ranks is not None else tuple(range(chips))
-        if any(not 0 <= d < chips for d in devices):
-            raise PlanningError(f"table {t.name!r}: constraint ranks {list(devices)} outside the {chips} chips")
+        outside = [d for d in devices if not 0 <= d < chips]
+        if outside:
+            raise PlanningError(f"table {t.name!r}: constraint ranks {outside} are out of range; expected "
+                                f"0 <= rank < {chips} (the topology's chips)")
         options[t.name] = _proposals(t, topology, batch_size, model, c.sharding_types, devices)
         if not options[t.name]:
             raise PlanningError(f"table {t.name!r}: none of its allowed sharding types {list(c.sharding_types)} "
@@ -232,7 +262,7 @@ def plan_tables(tables: Sequence[TableSpec], topology: Topology, batch_size: int
         state.add(best[1])
         placements[t.name] = best[1]
     if failed:
-        raise PlanningError(_infeasible(failed, options, state.capacity, state.used))
+        raise PlanningError(_infeasible(failed, options, state.capacity, state.used, constraints, chips))
     state.rebalance(placements, {t.name: t for t in tables}, options, constraints, rounds=min(len(tables), 200))
     return _result(tables, list(placements.values()), topology, state, lower_bound, started)
 
@@ -288,6 +318,8 @@ def evaluate(plan: ShardingPlan, tables: Sequence[TableSpec], topology: Topology
     if missing or plan.world_size != topology.chips:
         raise PlanningError(f"the plan does not cover these tables on {topology.chips} chips: missing {missing}, "
                             f"plan world size {plan.world_size}")
+    # PlanError for a plan shard() would refuse: priced, it gives a wrong number or a crash.
+    plan.validate_dims({t.name: t.embedding_dim for t in tables})
     state = _Loads(tables, topology, batch_size, model)
     placements = []
     for t in tables:
@@ -317,7 +349,20 @@ def _candidate_sets(kind, device_sets, load, used, need, capacity, shards, allow
     return fitting
 
 
-def _infeasible(failed, options, capacity, used) -> str:
+def _baseline_over(state: _Loads, topology: Topology, batch_size: int) -> str:
+    """Every device's share of the batch's embedding outputs (``device_baseline``) leaves no
+    room for any table: the cause is the batch size, not the tables."""
+    base = int(state.used.min())
+    local = batch_size / topology.chips
+    full = int(batch_size * state.capacity / base)  # the baseline grows with the batch
+    return (f"no plan fits: at batch size {batch_size:,} each device receives {local:,.0f} samples' pooled "
+            f"embedding rows of every table and their gradients, {base / 2**30:.2f} GiB before any table is placed, "
+            f"more than the {state.capacity / 2**30:.2f} GiB usable per device. To make it fit: a smaller "
+            f"--batch-size (well below {full:,}, where these buffers alone fill a device), more chips, or more "
+            f"HBM per chip.")
+
+
+def _infeasible(failed, options, capacity, used, constraints: Mapping[str, Constraint], chips: int) -> str:
     lines = []
     for t in failed:
         kind, _, costs, _ = min(options[t.name], key=lambda p: max(s.hbm_bytes for s in p[2]))
@@ -326,13 +371,22 @@ def _infeasible(failed, options, capacity, used) -> str:
         lines.append(f"table {t.name!r} ({t.num_embeddings:,} x {t.embedding_dim}, {t.optimizer}) needs "
                      f"{each / 2**30:.2f} GiB on each of {len(costs)} device(s) in its smallest allowed split "
                      f"({kind}); {room} device(s) have that much free (the most free: "
-                     f"{(capacity - used.min()) / 2**30:.2f} GiB of {capacity / 2**30:.2f} GiB usable)")
+                     f"{max(0, capacity - int(used.min())) / 2**30:.2f} GiB of {capacity / 2**30:.2f} GiB usable)")
     total = sum(min(sum(s.hbm_bytes for s in p[2]) for p in options[t.name]) for t in failed)
-    free = int((capacity - used).sum())
+    free = int(np.maximum(capacity - used, 0).sum())
     more = max(1, -(-int(total - free) // capacity)) if total > free else 0
-    hint = (f"add chips (about {more} more of this size), allow row_wise for these tables, or reduce their "
-            f"embedding_dim or data_type" if more else
-            "allow row_wise (or column_wise) for these tables so they spread over the devices with room")
+    # Suggest only the splits some failing table was not allowed (those allowed were tried), and
+    # only where there are devices to split over.
+    allowed = {k for t in failed for k in constraints.get(t.name, Constraint()).sharding_types}
+    missing = [k for k in (ROW_WISE, COLUMN_WISE) if chips > 1 and k not in allowed]
+    split = f"allow {' or '.join(missing)} for these tables" if missing else ""
+    if more:
+        hint = ", ".join(filter(None, [f"add chips (about {more} more of this size)", split,
+                                       "or reduce their embedding_dim or data_type"]))
+    else:
+        hint = (f"{split} so they spread over the devices with room" if split else
+                "add chips or HBM per chip (the free memory is split over devices too small for these "
+                "tables' shards), or reduce their embedding_dim or data_type")
     return "no plan fits: " + "; ".join(lines) + f". To make it fit: {hint}."
 
 

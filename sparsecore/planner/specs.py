@@ -23,6 +23,11 @@ OPTIMIZER_STATE = {"sgd": 0, "adagrad": -1, "rowwise_adagrad": 1, "adam": -2, "f
 """fp32 state values per row: a count, or -k for k per element (adagrad: dim; adam, ftrl: 2 x dim)."""
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 REQUIRED = ("name", "num_embeddings", "embedding_dim")
+FORMAT_HINT = "one table a row (CSV) or a list of tables, or {\"tables\": [...]} (JSON, YAML)"
+LIMITS = {"num_embeddings": 2**40, "embedding_dim": 2**16, "pooling_factor": 2**20}
+"""Upper bounds far beyond any real table; past them a table's byte counts overflow int64."""
+INTEGER_FIELDS = ("num_embeddings", "embedding_dim")
+NUMBER_FIELDS = ("pooling_factor", "zipf_alpha")
 
 
 class SpecError(ValueError):
@@ -45,12 +50,18 @@ class TableSpec:
 
         if not self.name:
             raise SpecError("a table has an empty name")
+        if not isinstance(self.name, str):
+            raise SpecError(f"table name {self.name!r}; expected a string")
         for field in ("num_embeddings", "embedding_dim"):
             value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise bad(field, "a positive integer")
-        if not (self.pooling_factor > 0 and math.isfinite(self.pooling_factor)):
-            raise bad("pooling_factor", "a positive number")
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= LIMITS[field]:
+                raise bad(field, f"a positive integer at most {LIMITS[field]:,}")
+        for field in NUMBER_FIELDS:
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float, type(None))):
+                raise bad(field, "a number")
+        if not (0 < self.pooling_factor <= LIMITS["pooling_factor"]):
+            raise bad("pooling_factor", f"a positive number at most {LIMITS['pooling_factor']:,}")
         if self.zipf_alpha is not None and not (self.zipf_alpha > 0 and math.isfinite(self.zipf_alpha)):
             raise bad("zipf_alpha", "a positive number or empty (uniform ids)")
         if self.optimizer not in OPTIMIZER_STATE:
@@ -74,7 +85,9 @@ def _records(path: Path) -> list[dict[str, Any]]:
     suffix = path.suffix.lower()
     try:
         if suffix == ".csv":
-            frame = pd.read_csv(path)
+            # Every cell as written: no type guessing ("007" stays "007") and no NA words ("NA",
+            # "null" are names); _table parses the numbers and reads an empty cell as unset.
+            frame = pd.read_csv(path, dtype=str, keep_default_na=False)
         elif suffix == ".json":
             data = json.loads(path.read_text())
             frame = pd.DataFrame(data["tables"] if isinstance(data, dict) else data)
@@ -85,10 +98,12 @@ def _records(path: Path) -> list[dict[str, Any]]:
             frame = pd.DataFrame(data["tables"] if isinstance(data, dict) else data)
         else:
             raise SpecError(f"{path}: unknown table format {suffix!r}; expected .csv, .json, .yaml or .yml")
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        if isinstance(error, SpecError):
-            raise
-        raise SpecError(f"{path}: not a readable table list ({error})") from error
+    except SpecError:
+        raise
+    except Exception as error:  # pandas', json's and yaml's parse errors have no common base
+        reason = " ".join(str(error).split())  # yaml's messages span lines
+        raise SpecError(f"{path}: not a readable {suffix[1:].upper()} table list ({type(error).__name__}: "
+                        f"{reason}); expected {FORMAT_HINT}") from error
     missing = [c for c in REQUIRED if c not in frame.columns]
     if missing:
         raise SpecError(f"{path}: missing column(s) {missing}; every table needs {list(REQUIRED)}")
@@ -98,16 +113,48 @@ def _records(path: Path) -> list[dict[str, Any]]:
     return frame.astype(object).where(frame.notna(), None).to_dict("records")
 
 
-def _table(record: dict[str, Any], where: str) -> TableSpec:
-    fields = {k: v for k, v in record.items() if v is not None}
+def _integer(value: Any) -> Any:
+    """An integer field's value as an int when it is one: 1000, 1000.0 (pandas makes ints of a
+    column with gaps floats), "1000"; anything else as given, for TableSpec to refuse."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            try:
+                value = float(value)
+            except ValueError:
+                return value
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _number(value: Any) -> Any:
+    """A float field's value as a float when it is a number or a number's text; else as given."""
+    if isinstance(value, bool):
+        return value
     try:
-        for key in ("num_embeddings", "embedding_dim"):
-            if key in fields and float(fields[key]).is_integer():
-                fields[key] = int(float(fields[key]))
-        for key in ("pooling_factor", "zipf_alpha"):
-            if key in fields:
-                fields[key] = float(fields[key])
-        fields["name"] = str(fields["name"])
+        return float(value)
+    except (TypeError, ValueError, OverflowError):
+        return value
+
+
+def _table(record: dict[str, Any], where: str) -> TableSpec:
+    # An empty cell (CSV) or a null (JSON, YAML) is a field left unset, except the name.
+    fields = {k: v for k, v in record.items() if v is not None and v != ""}
+    if "name" not in fields:
+        raise SpecError(f"{where}: the name is empty; expected a table name")
+    if not isinstance(fields["name"], str):
+        raise SpecError(f"{where}: name {fields['name']!r}; expected a string (quote it)")
+    for key in INTEGER_FIELDS:
+        if key in fields:
+            fields[key] = _integer(fields[key])
+    for key in NUMBER_FIELDS:
+        if key in fields:
+            fields[key] = _number(fields[key])
+    try:
         return TableSpec(**fields)
     except (TypeError, ValueError) as error:
         raise SpecError(f"{where}: {error}") from error

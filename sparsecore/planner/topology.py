@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from torch_tpu.chips import CHIPS
 
@@ -25,7 +26,7 @@ class Topology:
             if getattr(self, field) <= 0:
                 raise ValueError(f"topology {field}={getattr(self, field)!r}; expected a positive number")
         for field in ("hbm_gbps", "ici_gbps"):
-            if not getattr(self, field) > 0:
+            if not 0 < getattr(self, field) < math.inf:
                 raise ValueError(f"topology {field}={getattr(self, field)!r}; expected a positive number")
 
     @property
@@ -41,6 +42,7 @@ def parse_topology(text: str, *, hbm_bytes: int | None = None, chips_per_host: i
         raise ValueError(f"--topology {text!r}: expected <chip>:<chips> with chip one of {sorted(CHIPS)}, "
                          "e.g. v5p:64")
     profile = CHIPS[chip]
-    return Topology(chip=chip, chips=int(count), hbm_bytes=hbm_bytes or profile.hbm_bytes,
+    # hbm_bytes=0 is an error (Topology says so), not the chip's default.
+    return Topology(chip=chip, chips=int(count), hbm_bytes=profile.hbm_bytes if hbm_bytes is None else hbm_bytes,
                     sparsecores_per_chip=profile.sparsecores_per_chip, hbm_gbps=profile.hbm_gbps,
                     ici_gbps=profile.ici_gbps, chips_per_host=chips_per_host)

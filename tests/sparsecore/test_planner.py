@@ -307,3 +307,159 @@ def test_cli_takes_an_explicit_topology(tmp_path):
     assert ShardingPlan.load(tmp_path / "plan.json").sparsecores_per_chip == 2
     bad = cli(*args, "--hbm-gbps", "0")
     assert bad.returncode == 2 and "hbm_gbps=0.0" in bad.stderr
+
+
+def tables_csv(tmp_path: Path, text: str = "a,1000,64\nb,100000,64\nc,1000,128\n", name: str = "t.csv") -> Path:
+    path = tmp_path / name
+    path.write_text("name,num_embeddings,embedding_dim\n" + text)
+    return path
+
+
+def expect_error(out: subprocess.CompletedProcess, *fragments: str) -> None:
+    """Exit 2, one line naming the problem, no traceback."""
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert "Traceback" not in out.stderr and out.stderr.startswith("sparsecore-plan: error: ")
+    for fragment in fragments:
+        assert fragment in out.stderr, (fragment, out.stderr)
+
+
+@pytest.mark.parametrize("constraint, fragments", [
+    # Two column slices on one device were each checked alone against its HBM.
+    ({"c": {"ranks": [0, 0], "sharding_types": ["column_wise"]}}, ["ranks [0, 0] repeat rank(s) [0]", "each device once"]),
+    ({"b": {"ranks": [1, 0, 1], "sharding_types": ["row_wise"]}}, ["repeat rank(s) [1]"]),
+])
+def test_cli_refuses_repeated_constraint_ranks(tmp_path, constraint, fragments):
+    (tmp_path / "c.json").write_text(json.dumps(constraint))
+    out = cli("--tables", str(tables_csv(tmp_path)), "--topology", "v5p:4", "--constraints", str(tmp_path / "c.json"),
+              "--out", str(tmp_path / "plan.json"))
+    expect_error(out, *fragments)
+    assert not (tmp_path / "plan.json").exists()
+    with pytest.raises(ValueError, match=r"repeat rank\(s\) \[0\]"):
+        Constraint(ranks=(0, 0))
+
+
+@pytest.mark.parametrize("constraint, fragments", [
+    ({"a": {"rank": [1]}}, ["table 'a'", "unknown key(s) ['rank']", "expected some of ['sharding_types', 'ranks']"]),
+    ({"a": {"sharding_types": ["tablewise", "row_wise"]}},
+     ["sharding type(s) ['tablewise'] unknown", "'table_wise', 'row_wise', 'column_wise'"]),
+    ({"a": {"sharding_types": ["ROW_WISE"]}}, ["['ROW_WISE'] unknown"]),
+    ({"a": {"sharding_types": "row_wise"}}, ["sharding_types='row_wise'", "expected a non-empty list"]),
+    ({"a": {"sharding_types": []}}, ["sharding_types=[]", "expected a non-empty list"]),
+    ({"a": {"ranks": ["0"]}}, ["rank '0'", "expected a device number"]),
+    ({"a": {"ranks": [1.0]}}, ["rank 1.0", "expected a device number"]),
+    ({"a": {"ranks": [True]}}, ["rank True", "expected a device number"]),
+    ({"a": {"ranks": 3}}, ["ranks=3", "expected a non-empty list"]),
+    ({"a": {"ranks": []}}, ["ranks=[]", "expected a non-empty list"]),
+    ({"a": {"ranks": [9]}}, ["table 'a'", "ranks [9] are out of range", "0 <= rank < 4"]),
+    ({"a": {"ranks": [-1]}}, ["rank -1", "expected a device number"]),
+    ({"a": "row_wise"}, ["table 'a'", "expected an object"]),
+    ([1, 2], ["a JSON list", "expected an object"]),
+])
+def test_cli_constraint_errors_name_the_value_and_what_was_expected(tmp_path, constraint, fragments):
+    (tmp_path / "c.json").write_text(json.dumps(constraint))
+    out = cli("--tables", str(tables_csv(tmp_path)), "--topology", "v5p:4", "--constraints", str(tmp_path / "c.json"))
+    expect_error(out, *fragments)
+
+
+def test_plan_out_into_a_missing_folder_or_onto_a_folder_is_an_error(tmp_path):
+    tables = str(tables_csv(tmp_path))
+    expect_error(cli("--tables", tables, "--topology", "v5p:2", "--out", str(tmp_path / "nodir" / "p.json")),
+                 f"--out {tmp_path / 'nodir' / 'p.json'}", "existing folder", "does not exist")
+    (tmp_path / "dir").mkdir()
+    expect_error(cli("--tables", tables, "--topology", "v5p:2", "--out", str(tmp_path / "dir")),
+                 "it is a folder")
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["dir", "t.csv"]  # no temp file left
+    assert list((tmp_path / "dir").iterdir()) == []
+
+
+@pytest.mark.parametrize("name, text, fragments", [
+    ("t.yaml", "tables: [\n  - : :\n", ["t.yaml: not a readable YAML table list", "expected"]),
+    ("t.json", '{"tables": [{"name": "a", "num_embeddings": 10}', ["t.json: not a readable JSON table list"]),
+    ("t.csv", 'name,num_embeddings,embedding_dim\n"a,1,2\n', ["t.csv: not a readable CSV table list"]),
+    ("t.json", "42", ["t.json: not a readable JSON table list"]),
+])
+def test_garbled_table_files_name_the_file(tmp_path, name, text, fragments):
+    (tmp_path / name).write_text(text)
+    expect_error(cli("--tables", str(tmp_path / name), "--topology", "v5p:2"), *fragments)
+
+
+def test_csv_names_are_read_as_written(tmp_path):
+    path = tables_csv(tmp_path, "007,10,16\nNA,10,16\nnull,20,16\n1e3,5,8\n")
+    assert [t.name for t in read_tables(path)] == ["007", "NA", "null", "1e3"]
+    out = cli("--tables", str(path), "--topology", "v5p:2", "--out", str(tmp_path / "plan.json"))
+    assert out.returncode == 0, out.stderr
+    assert list(ShardingPlan.load(tmp_path / "plan.json").tables) == ["007", "NA", "null", "1e3"]
+    # An empty cell elsewhere is a field left unset.
+    (tmp_path / "z.csv").write_text("name,num_embeddings,embedding_dim,zipf_alpha\na,10,16,\n")
+    assert read_tables(tmp_path / "z.csv")[0].zipf_alpha is None
+
+
+@pytest.mark.parametrize("text, fragments", [
+    (",10,16\n", ["row 1: the name is empty; expected a table name"]),
+    ("a,100,true\n", ["row 1", "embedding_dim='true'", "expected a positive integer"]),
+    ("a,100,16.5\n", ["embedding_dim=16.5", "expected a positive integer"]),
+    ("a,1e30,16\n", ["num_embeddings=1000000000000000019884624838656", "at most 1,099,511,627,776"]),
+])
+def test_csv_field_errors_name_the_row_the_value_and_what_was_expected(tmp_path, text, fragments):
+    expect_error(cli("--tables", str(tables_csv(tmp_path, text)), "--topology", "v5p:2"), *fragments)
+
+
+def test_json_tables_refuse_booleans_and_unquoted_names(tmp_path):
+    (tmp_path / "t.json").write_text(json.dumps([{"name": "a", "num_embeddings": 100, "embedding_dim": True}]))
+    with pytest.raises(SpecError, match="embedding_dim=True; expected a positive integer"):
+        read_tables(tmp_path / "t.json")
+    (tmp_path / "t.yaml").write_text("- {name: 007, num_embeddings: 10, embedding_dim: 8}\n")  # YAML reads 7
+    with pytest.raises(SpecError, match="name 7; expected a string"):
+        read_tables(tmp_path / "t.yaml")
+    (tmp_path / "p.json").write_text(json.dumps([{"name": "a", "num_embeddings": 100, "embedding_dim": 8,
+                                                  "pooling_factor": 1e9}]))
+    with pytest.raises(SpecError, match="pooling_factor=1000000000.0; expected a positive number at most"):
+        read_tables(tmp_path / "p.json")
+
+
+@pytest.mark.parametrize("option, fragments", [
+    (["--hbm-gib", "0"], ["--hbm-gib 0.0", "expected a number of GiB per chip"]),
+    (["--hbm-gib", "1e-12"], ["--hbm-gib 1e-12"]),
+    (["--hbm-gib", "inf"], ["--hbm-gib inf"]),
+    (["--hbm-gib", "nan"], ["--hbm-gib nan"]),
+    (["--batch-size", "10000000000000000000000"], ["--batch-size 10000000000000000000000", "at most 2147483648"]),
+    (["--batch-size", "0"], ["--batch-size 0", "expected a positive integer"]),
+    (["--ici-gbps", "inf"], ["ici_gbps=inf", "expected a positive number"]),
+])
+def test_out_of_range_options_are_named(tmp_path, option, fragments):
+    expect_error(cli("--tables", str(tables_csv(tmp_path)), "--topology", "v5p:2", *option), *fragments)
+
+
+def test_evaluate_validates_the_plan_first():
+    from sparsecore.distributed import PlanError, TableSharding
+    from sparsecore.planner import evaluate
+
+    tables = [TableSpec(name="a", num_embeddings=1000, embedding_dim=64),
+              TableSpec(name="b", num_embeddings=100, embedding_dim=32)]
+    b = TableSharding(sharding_type="table_wise", ranks=(0,))
+    for a, message in [(TableSharding(sharding_type="table_wise", ranks=(5,)), "rank 5 is out of range"),
+                       (TableSharding(sharding_type="table_wise", ranks=(-1,)), "rank -1 is out of range"),
+                       (TableSharding(sharding_type="column_wise", ranks=(0, 1), column_widths=(8, 8)),
+                        "sum to the table's dim 64"),
+                       (TableSharding(sharding_type="column_wise", ranks=(0, 1)), "one column width per rank"),
+                       (TableSharding(sharding_type="table_wise", ranks=(0, 1)), "exactly one rank"),
+                       (TableSharding(sharding_type="grid_shard", ranks=(0, 1)), "'grid_shard' is unknown")]:
+        with pytest.raises(PlanError, match=message):
+            evaluate(ShardingPlan(world_size=2, tables={"a": a, "b": b}), tables, topology(chips=2), 512)
+
+
+def test_infeasible_hints_only_untried_splits_and_names_the_batch_baseline():
+    huge = TableSpec(name="huge", num_embeddings=20_000_000, embedding_dim=128)
+    with pytest.raises(PlanningError) as error:  # row_wise was tried: it is no hint
+        plan_tables([huge], topology(chips=2), 64, constraints={"huge": Constraint(sharding_types=("row_wise",))})
+    assert "(row_wise)" in str(error.value) and "allow row_wise" not in str(error.value)
+    assert "allow column_wise" in str(error.value)
+    with pytest.raises(PlanningError) as error:  # one chip: nothing to split over
+        plan_tables([huge], topology(chips=1), 64)
+    assert "To make it fit: add chips" in str(error.value) and "allow row_wise" not in str(error.value)
+    small = TableSpec(name="small", num_embeddings=10, embedding_dim=128)
+    with pytest.raises(PlanningError) as error:  # the output buffers alone exceed a device
+        plan_tables([small], topology(chips=2, hbm=64 * 2**20), 1_000_000)
+    message = str(error.value)
+    assert "batch size 1,000,000" in message and "before any table is placed" in message
+    assert "smaller --batch-size" in message and "-" not in message.split("GiB")[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -105,3 +106,52 @@ def test_layout_routes_and_assembles_columns():
     assert second[:8].tolist() == [72] * 8  # the zero column: one source each
     # fb1 column 0: rank 0's partial sum plus rank 1's.
     assert (first[8].item(), second[8].item()) == (5, 40)
+
+
+def test_save_leaves_no_temp_file_when_it_fails(tmp_path):
+    p = plan(a=dict(sharding_type="table_wise", ranks=(0,)), b=dict(sharding_type="table_wise", ranks=(1,)))
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(IsADirectoryError):
+        p.save(tmp_path / "dir")
+    with pytest.raises(FileNotFoundError):
+        p.save(tmp_path / "nodir" / "plan.json")
+    assert [f.name for f in tmp_path.iterdir()] == ["dir"] and list((tmp_path / "dir").iterdir()) == []
+    p.save(tmp_path / "plan.json")  # a good copy survives a failed rewrite
+    with pytest.raises(TypeError):
+        dataclasses.replace(p, chip=object()).save(tmp_path / "plan.json")
+    assert ShardingPlan.load(tmp_path / "plan.json") == p
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["dir", "plan.json"]
+
+
+def good_plan(**changes) -> dict:
+    data = {"version": 1, "world_size": 2, "tables": {"a": {"sharding_type": "table_wise", "ranks": [0]},
+                                                      "b": {"sharding_type": "table_wise", "ranks": [1]}}}
+    data.update(changes)
+    return data
+
+
+def with_table_a(**a) -> dict:
+    return good_plan(tables={"a": a, "b": {"sharding_type": "table_wise", "ranks": [1]}})
+
+
+@pytest.mark.parametrize("data, message", [
+    (good_plan(tables=[{"sharding_type": "table_wise", "ranks": [0]}]), r"tables list; expected an object"),
+    (good_plan(tables={"a": "table_wise"}), r"table 'a': 'table_wise'; expected an object"),
+    (with_table_a(sharding_type="table_wise", ranks=0), r"table 'a': ranks 0; expected a list of integers"),
+    (with_table_a(sharding_type="table_wise", ranks=None), r"table 'a': ranks None; expected a list of integers"),
+    (with_table_a(sharding_type="table_wise", ranks=[True]), r"ranks \[True\]; expected a list of integers"),
+    (with_table_a(sharding_type="table_wise", ranks=[1.0]), r"ranks \[1.0\]; expected a list of integers"),
+    (with_table_a(sharding_type=["table_wise"], ranks=[0]), r"sharding_type \['table_wise'\]; expected one of"),
+    (with_table_a(sharding_type="column_wise", ranks=[0, 1], column_widths="32"), r"column_widths '32'; expected"),
+    (with_table_a(sharding_type="table_wise", ranks=[0], compute=[1]), r"compute \[1\]; expected an object"),
+    (good_plan(hosts=[0, 1]), r"hosts\[0\] 0; expected a list of integers"),
+    (good_plan(hosts=3), r"hosts 3; expected a list of each host's ranks"),
+    (good_plan(version=True), r"version True is not supported; expected 1"),
+    (good_plan(version=1.0), r"version 1.0 is not supported; expected 1"),
+    (good_plan(world_size="2"), r"world_size='2'; expected a positive integer"),
+    (good_plan(world_size=True), r"world_size=True; expected a positive integer"),
+    (good_plan(chip=5), r"chip=5; expected a chip name"),
+])
+def test_hand_written_plans_of_the_wrong_types_are_named(data, message):
+    with pytest.raises(PlanError, match=message):
+        ShardingPlan.from_json(json.dumps(data))
