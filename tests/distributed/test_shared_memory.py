@@ -349,3 +349,44 @@ def test_carried_collectives_keep_issue_order_hand_back_the_callers_tensors_and_
         assert_close(r["averages"]["torch.uint8"], torch.tensor([150, 3], dtype=torch.uint8))  # 7 // 2
         assert_close(r["averages"]["torch.int8"], torch.tensor([0, 3], dtype=torch.int8))
         assert_close(r["averages"]["torch.int32"], torch.tensor([2**30 - 1, 3], dtype=torch.int32))
+
+
+def strided_on_some_ranks(rank: int, world: int, device: str) -> dict:
+    # Odd ranks pass column-major (transposed) views of the same shapes; every carried collective
+    # must still meet on one transport and write into the caller's views.
+    def laid_out(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(device)
+        return t.t().contiguous().t() if rank % 2 else t
+
+    def value(r: int) -> torch.Tensor:
+        return torch.arange(6.0).reshape(2, 3) + 10 * r
+
+    out = {}
+    x = laid_out(value(rank))
+    dist.all_reduce(x)
+    out["all_reduce"] = x.cpu()
+    x = laid_out(value(rank))
+    dist.broadcast(x, src=world - 1)
+    out["broadcast"] = x.cpu()
+    gathered = laid_out(torch.zeros(2 * world, 3))
+    dist.all_gather_into_tensor(gathered, laid_out(value(rank)))
+    out["all_gather"] = gathered.cpu()
+    scattered = laid_out(torch.zeros(2, 3))
+    dist.reduce_scatter_tensor(scattered, laid_out(torch.cat([value(rank)] * world)))
+    out["reduce_scatter"] = scattered.cpu()
+    exchanged = laid_out(torch.zeros(2 * world, 3))
+    dist.all_to_all_single(exchanged, laid_out(torch.cat([value(rank)] * world)))
+    out["all_to_all"] = exchanged.cpu()
+    return out
+
+
+@pytest.mark.parametrize("device", ["cpu", "tpu"])
+def test_strided_tensors_on_some_ranks_take_the_same_transport(device):
+    world = 2
+    values = [torch.arange(6.0).reshape(2, 3) + 10 * r for r in range(world)]
+    total = sum(values)
+    want = {"all_reduce": total, "broadcast": values[-1], "all_gather": torch.cat(values),
+            "reduce_scatter": total, "all_to_all": torch.cat(values)}
+    for rank, got in enumerate(assert_all_ok(run_ranks(strided_on_some_ranks, world, device, timeout_s=60))):
+        for name, expected in want.items():
+            assert_close(got[name], expected, rtol=0, atol=0, msg=lambda m: f"rank {rank} {name}: {m}")

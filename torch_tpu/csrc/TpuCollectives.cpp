@@ -310,21 +310,85 @@ void push_returns(const c10::FunctionSchema& schema, torch::jit::Stack* stack, c
   stack->push_back(c10::IValue(std::move(work)));
 }
 
+// A carried collective's strided tensors (a transposed view), through contiguous
+// copies: the channel takes them, and the results are copied back. Which
+// transport carries a call must not depend on one rank's layouts: a rank on
+// gloo and another on the channel would wait for each other until the timeout.
+class Staging {
+ public:
+  void stage(torch::jit::Stack& args) {
+    for (auto& v : args) {
+      v = map_tensors(v, [this](const at::Tensor& t) {
+        if (!t.defined() || t.layout() != c10::kStrided || t.is_contiguous()) return t;
+        at::Tensor copy = t.contiguous();
+        pairs_.push_back({t, copy});
+        return copy;
+      });
+    }
+  }
+
+  bool any() const { return !pairs_.empty(); }
+
+  // The results into the caller's tensors (those of the arguments a collective writes).
+  void copy_back(const c10::FunctionSchema& schema, const torch::jit::Stack& args) const {
+    for (size_t i = 0; i < args.size(); ++i) {
+      const std::string& name = schema.arguments()[i].name();
+      if (name != "tensors" && name != "output_tensor" && name != "output") continue;
+      map_tensors(args[i], [this](const at::Tensor& t) {
+        for (const auto& p : pairs_) {
+          if (p.copy.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) p.original.copy_(p.copy);
+        }
+        return t;
+      });
+    }
+  }
+
+  at::Tensor original(const at::Tensor& t) const {
+    for (const auto& p : pairs_) {
+      if (p.copy.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) return p.original;
+    }
+    return t;
+  }
+
+ private:
+  struct Pair {
+    at::Tensor original;
+    at::Tensor copy;
+  };
+  c10::SmallVector<Pair, 2> pairs_;
+};
+
+// `work`'s results mapped by `to_caller` (host views and staged copies to the caller's
+// tensors), in a completed work of its own.
+template <typename F>
+c10::intrusive_ptr<c10d::Work> handed_back(const c10::intrusive_ptr<c10d::Work>& work, const F& to_caller) {
+  std::vector<at::Tensor> results;
+  for (const at::Tensor& t : work->result()) results.push_back(to_caller(t));
+  return c10::make_intrusive<DoneWork>(work->retrieveOpType(), std::move(results));
+}
+
 void collective_on_host(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const size_t num_args = schema.arguments().size();
   HostViews views;
   torch::jit::Stack args(stack->end() - num_args, stack->end());
+  Staging staging;
+  const auto channel = carrying_channel(schema, args);
+  if (channel) staging.stage(args);
   for (auto& v : args) v = views.to_host(v);
   lower_premul_sum(schema, args);
-  if (auto channel = carrying_channel(schema, args)) {
+  if (channel) {
     if (auto work = run_on_channel(schema, args, *channel)) {
-      std::vector<at::Tensor> results;  // the caller's tpu tensors, not their host views
-      for (const at::Tensor& t : work->result()) results.push_back(views.to_tpu(t).toTensor());
-      push_returns(schema, stack, views.to_tpu(args[0]),
-                   c10::make_intrusive<DoneWork>(work->retrieveOpType(), std::move(results)));
+      torch::jit::Stack caller(stack->end() - num_args, stack->end());
+      for (size_t i = 0; i < num_args; ++i) caller[i] = views.to_tpu(args[i]);
+      staging.copy_back(schema, caller);
+      auto to_caller = [&](const at::Tensor& t) { return staging.original(views.to_tpu(t).toTensor()); };
+      push_returns(schema, stack, map_tensors(caller[0], [&](const at::Tensor& t) { return staging.original(t); }),
+                   handed_back(work, to_caller));
       return;
     }
+    TORCH_CHECK(!staging.any(), "tpu_dist: ", schema.name(), " of non-contiguous tensors in a form the shared "
+                "memory does not carry; pass tensor.contiguous() and copy the result back");
   }
   const std::string group = group_name(schema, args);
   std::copy(args.begin(), args.end(), stack->end() - num_args);
@@ -340,7 +404,7 @@ bool all_dense_cpu(const torch::jit::Stack& args) {
   bool dense = true;
   for (const auto& v : args) {
     map_tensors(v, [&dense](const at::Tensor& t) {
-      dense = dense && t.device().is_cpu() && t.layout() == c10::kStrided && t.is_contiguous();
+      dense = dense && t.device().is_cpu() && t.layout() == c10::kStrided;  // strided ones are staged
       return t;
     });
   }
@@ -379,9 +443,9 @@ c10::intrusive_ptr<c10d::Work> run_on_cpu_backend(const c10::FunctionSchema& sch
 }
 
 // A carried collective on CPU tensors (the CPU key): over the group's channel
-// if it has one, as the same call on tpu tensors would go; else as torch's CPU
-// kernel (gloo). Tensors the channel cannot take as they are (strided views,
-// sparse) go to gloo, which decides about them.
+// if it has one, as the same call on tpu tensors would go (strided views
+// staged); else as torch's CPU kernel (gloo). Sparse tensors go to gloo,
+// which decides about them.
 void collective_on_cpu(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const size_t num_args = schema.arguments().size();
@@ -389,11 +453,18 @@ void collective_on_cpu(const c10::OperatorHandle& op, c10::DispatchKeySet, torch
   const auto channel = carrying_channel(schema, args);
   if (channel && all_dense_cpu(args)) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // PREMUL_SUM's scaling is not differentiated
+    torch::jit::Stack caller(args);
+    Staging staging;
+    staging.stage(args);
     lower_premul_sum(schema, args);  // in place for reductions in place: gloo gets the lowered call too
     if (auto work = run_on_channel(schema, args, *channel)) {
-      push_returns(schema, stack, args[0], std::move(work));
+      staging.copy_back(schema, args);
+      push_returns(schema, stack, caller[0],
+                   handed_back(work, [&](const at::Tensor& t) { return staging.original(t); }));
       return;
     }
+    TORCH_CHECK(!staging.any(), "tpu_dist: ", schema.name(), " of non-contiguous tensors in a form the shared "
+                "memory does not carry; pass tensor.contiguous() and copy the result back");
   }
   auto work = run_on_cpu_backend(schema, args);
   pending_gloo_work().issued(group_name(schema, args), work);
