@@ -201,6 +201,8 @@ def preprocess(
             writer.append(*_transform(chunk, sizes))
             file_rows[chunk.file_index] += len(chunk.labels)
             bar.update(chunk.nbytes)
+        if writer.rows == 0:  # the writer discards the store: no empty store replaces a good one
+            raise ValueError(f"{', '.join(map(str, inputs))}: no well-formed line; {report.summary()}")
         splits = reference_splits(writer.rows, days) if len(inputs) == 1 else day_splits(file_rows)
         writer.close(
             splits,
@@ -224,10 +226,16 @@ def _transform(chunk: TsvChunk, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return dense, sparse, chunk.labels.astype(np.float32)
 
 
+GZIP_MAGIC = b"\x1f\x8b"
+
+
 def _check_inputs(paths: Sequence[Path]) -> None:
     for p in paths:
         if not p.is_file():
             raise FileNotFoundError(f"input file not found: {p}")
+        with p.open("rb") as f:
+            if f.read(2) == GZIP_MAGIC:  # Criteo 1TB ships as day_N.gz: every line would be malformed
+                raise ValueError(f"{p}: gzip-compressed; expected the tab-separated text (gunzip it first)")
 
 
 # ---- the byte-level parser ----

@@ -291,7 +291,10 @@ def read_limits(path: Path) -> dict[str, dict[str, int]]:
         raise ValueError(f"--limits {path}: not a readable limits file ({error})") from error
     if not isinstance(payload, dict) or payload.get("format") != LIMITS_FORMAT:
         raise ValueError(f"--limits {path}: not a {LIMITS_FORMAT} file (written by models.train as {LIMITS_FILENAME})")
-    return payload["tables"]
+    tables = payload.get("tables")
+    if not isinstance(tables, dict) or not all(isinstance(v, dict) for v in tables.values()):
+        raise ValueError(f"--limits {path}: expected \"tables\": {{table: {{limit: count}}}}, got {tables!r:.80}")
+    return tables
 
 
 def earlier_limits(path: Path) -> dict[str, dict[str, int]]:

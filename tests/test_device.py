@@ -102,6 +102,9 @@ def test_set_device_and_device_context():
 def test_invalid_device_index_names_the_range():
     with pytest.raises(RuntimeError, match=r"Invalid tpu device index 5: valid indices are 0\.\.1"):
         torch.empty(1, device="tpu:5")
+    for query in (torch.tpu.get_device_name, torch.tpu.get_device_properties):
+        with pytest.raises(ValueError, match=r"Invalid tpu device index 5: valid indices are 0\.\.1"):
+            query(5)
 
 
 def test_cross_device_copies_and_device_guard():

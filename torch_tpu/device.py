@@ -125,10 +125,15 @@ class TpuDeviceProperties:
     """Always True: tensors live in host memory, kernels run on the CPU."""
 
 
-def get_device_properties(device: _device_t = None) -> TpuDeviceProperties:
+def _checked_index(device: _device_t = None) -> int:
     idx = _index(device)
     if not 0 <= idx < device_count():
         raise ValueError(f"Invalid tpu device index {idx}: valid indices are 0..{device_count() - 1}")
+    return idx
+
+
+def get_device_properties(device: _device_t = None) -> TpuDeviceProperties:
+    idx = _checked_index(device)
     topo = _backend.topology
     return TpuDeviceProperties(
         name=get_device_name(idx),
@@ -144,7 +149,7 @@ def get_device_properties(device: _device_t = None) -> TpuDeviceProperties:
 
 
 def get_device_name(device: _device_t = None) -> str:
-    _index(device)
+    _checked_index(device)
     return f"TPU {_backend.topology.chip.name} (emulated)"
 
 

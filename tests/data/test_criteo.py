@@ -357,3 +357,20 @@ def test_import_prints_nothing():
     result = subprocess.run([sys.executable, "-c", "import data.criteo"], cwd=REPO, capture_output=True, text=True,
                             timeout=60)
     assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
+
+
+def test_gzip_inputs_and_inputs_without_a_good_line_are_errors_that_keep_the_store(tmp_path):
+    import gzip
+
+    rows = random_rows(50, seed=5)
+    write_tsv(tmp_path / "good.txt", rows, [])
+    preprocess([tmp_path / "good.txt"], tmp_path / "store", progress=False)
+    (tmp_path / "day_0.gz").write_bytes(gzip.compress((tmp_path / "good.txt").read_bytes()))
+    with pytest.raises(ValueError, match="gzip-compressed; expected the tab-separated text"):
+        preprocess([tmp_path / "day_0.gz"], tmp_path / "store", progress=False)
+    (tmp_path / "bad.txt").write_text("1\t2\t3\n" * 10)
+    with pytest.raises(ValueError, match="no well-formed line"):
+        preprocess([tmp_path / "bad.txt"], tmp_path / "store", progress=False)
+    result = run_cli("preprocess", str(tmp_path / "day_0.gz"), str(tmp_path / "store"), "--no-progress")
+    assert result.returncode != 0 and "gzip" in result.stderr and "Traceback" not in result.stderr
+    np.testing.assert_array_equal(whole(open_arrays(tmp_path / "store"))[1], expected_store(rows)[1])  # kept

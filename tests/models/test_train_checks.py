@@ -182,3 +182,12 @@ def test_resume_keeps_the_runs_observed_limits(tmp_path):
     # Resumed to the end: the maxima over the whole run, as the uninterrupted run's.
     Trainer(dataclasses.replace(cfg, steps=8, checkpoint_dir=str(tmp_path / "b"), resume=True)).run()
     assert json.loads(path.read_text())["tables"] == json.loads((tmp_path / "a" / LIMITS_FILENAME).read_text())["tables"]
+
+
+def test_a_limits_file_without_its_tables_is_named(tmp_path):
+    from models.train import LIMITS_FORMAT, read_limits
+
+    path = tmp_path / "limits.json"
+    path.write_text(json.dumps({"format": LIMITS_FORMAT, "world_size": 1}))
+    with pytest.raises(ValueError, match=r'--limits .*limits.json: expected "tables"'):
+        read_limits(path)
