@@ -88,9 +88,15 @@ class BatchLoader:
 
     def __len__(self) -> int:
         """Global batches per epoch (a last partial batch is dropped unless ``drop_last`` is False)."""
-        if self.drop_last:
-            return len(self.source) // self.batch_size
-        return -(-len(self.source) // self.batch_size)
+        full = len(self.source) // self.batch_size
+        return full + (not self.drop_last and self._last_rows() > 0)
+
+    def _last_rows(self) -> int:
+        """Rows of the last partial batch, kept when ``drop_last`` is False: the largest multiple
+        of the world size, so every rank gets a slice of one size (what gathering the ranks'
+        results across them needs), none of them empty."""
+        rest = len(self.source) % self.batch_size
+        return rest - rest % self.world_size
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         """The epoch to iterate next, from its ``start_batch``-th batch (to resume mid-epoch)."""
@@ -107,10 +113,10 @@ class BatchLoader:
     def batch(self, index: int) -> Batch:
         """This rank's slice of global batch ``index``."""
         first = index * self.batch_size
-        rows = min(self.batch_size, len(self.source) - first)  # fewer in a last partial batch
-        # Ranks split a partial batch as evenly as they can (a full one: batch_size / world_size each).
-        start, stop = (first + rows * r // self.world_size for r in (self.rank, self.rank + 1))
-        samples = self.source.rows(start, stop)
+        rows = self.batch_size if first + self.batch_size <= len(self.source) else self._last_rows()
+        local = rows // self.world_size
+        start = first + self.rank * local
+        samples = self.source.rows(start, start + local)
         kjt = samples.kjt()
         sparse = self.preprocessor(kjt) if self.preprocessor is not None else kjt
         return Batch(dense=torch.from_numpy(samples.dense), sparse=sparse, labels=torch.from_numpy(samples.labels))

@@ -124,3 +124,17 @@ def test_a_plan_from_the_planner_trains_as_one_process(tmp_path, single_process)
     for got, want in zip(sharded, single_process):
         for key in ("train_loss", "val_auc", "val_log_loss"):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+
+
+def test_two_ranks_validate_a_split_that_does_not_divide_into_their_batches(tmp_path):
+    # 4099 validation rows at batch 512: a last batch of 3 rows, of which the ranks take one
+    # each (equal slices gather across ranks); an uneven split crashed the gather.
+    metrics = tmp_path / "metrics.jsonl"
+    env = {**os.environ, "TORCH_TPU_NUM_DEVICES": "2", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                          "127.0.0.1", "--master-port", str(free_port()), "-m", "models.train", "--steps", "1",
+                          "--num-samples", "20000", "--val-samples", "4099", "--batch-size", "512", "--num-workers",
+                          "0", "--no-progress", "--metrics-file", str(metrics)],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert 0.0 < json.loads(metrics.read_text().splitlines()[-1])["val_auc"] < 1.0

@@ -156,15 +156,24 @@ def test_validation_covers_the_whole_split_with_a_partial_last_batch():
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_loader_without_drop_last_gives_the_ranks_every_row_once(world_size):
+def test_loader_without_drop_last_gives_the_ranks_equal_slices_of_the_split(world_size):
+    # The last partial batch keeps the largest multiple of the world size: equal slices, so the
+    # ranks' results gather (1003 rows: 235 in the last batch; at 2 and 4 ranks 234 and 232).
     val = RowRange(build_data(small()).val, 0, 1000 + 3)
     per_rank = [list(BatchLoader(val, 256, shuffle=False, rank=r, world_size=world_size, drop_last=False))
                 for r in range(world_size)]
     assert all(len(batches) == 4 for batches in per_rank)
+    kept = 768 + 235 - 235 % world_size
     got = np.concatenate([b.labels.numpy() for i in range(4) for batches in per_rank for b in [batches[i]]])
-    np.testing.assert_array_equal(got, val.rows(0, 1003).labels)
-    assert [len(per_rank[r][3]) for r in range(world_size)] == np.diff(
-        [235 * r // world_size for r in range(world_size + 1)]).tolist()
+    np.testing.assert_array_equal(got, val.rows(0, kept).labels)
+    assert [len(per_rank[r][3]) for r in range(world_size)] == [235 // world_size] * world_size
+
+
+def test_a_last_batch_smaller_than_the_world_is_dropped():
+    val = RowRange(build_data(small()).val, 0, 512 + 1)
+    loaders = [BatchLoader(val, 256, shuffle=False, rank=r, world_size=2, drop_last=False) for r in range(2)]
+    assert [len(loader) for loader in loaders] == [2, 2]  # no rank gets an empty slice
+    assert len(BatchLoader(val, 256, shuffle=False, drop_last=False)) == 3
 
 
 # ---------------------------------------------------------------- observed limits across a resume
