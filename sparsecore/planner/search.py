@@ -6,7 +6,9 @@ device, column-wise over k devices, row-wise over all devices or one host's
 (table-row-wise), data-parallel everywhere — that leaves the slowest device
 fastest (then the one adding the least time, then the least memory), among
 those that fit; then tables move off the slowest device while that lowers
-it. The lower bound (``_lower_bound``) is the least step time T for which
+it. When some table fits nowhere after that pass, a memory-first search
+(``_pack``: largest need first, best fit, backtracking) looks for a placement
+that fits at all before the plan is called infeasible. The lower bound (``_lower_bound``) is the least step time T for which
 every table has a proposal no part of which exceeds T and the cheapest such
 proposals' work, spread evenly, fits in T; the plan reports its gap to it.
 """
@@ -262,7 +264,15 @@ def plan_tables(tables: Sequence[TableSpec], topology: Topology, batch_size: int
         state.add(best[1])
         placements[t.name] = best[1]
     if failed:
-        raise PlanningError(_infeasible(failed, options, state.capacity, state.used, constraints, chips))
+        # Placing for speed can strand memory that a packing for memory would use: search one.
+        state = _Loads(tables, topology, batch_size, model)
+        packed = _pack(tables, options, constraints, state)
+        if packed is None:
+            state = _Loads(tables, topology, batch_size, model)
+            for placement in placements.values():
+                state.add(placement)  # the greedy pass's loads, which the message reports
+            raise PlanningError(_infeasible(failed, options, state.capacity, state.used, constraints, chips))
+        placements = packed
     state.rebalance(placements, {t.name: t for t in tables}, options, constraints, rounds=min(len(tables), 200))
     return _result(tables, list(placements.values()), topology, state, lower_bound, started)
 
@@ -333,6 +343,60 @@ def evaluate(plan: ShardingPlan, tables: Sequence[TableSpec], topology: Topology
                for t in tables}
     lower_bound, _ = _lower_bound(options, state.base_s, topology.chips)
     return _result(tables, placements, topology, state, lower_bound, started)
+
+
+PACKING_TRIES = 100_000
+"""Placements the memory-first search tries before it gives up (a few seconds at most)."""
+
+
+def _pack(tables: Sequence[TableSpec], options: Mapping[str, list], constraints: Mapping[str, Constraint],
+          state: _Loads) -> dict[str, Placement] | None:
+    """Every table placed within memory, found by a depth-first search (largest need first; for
+    each, the placements that leave their devices least room first, as best-fit packing), with
+    the placements added to ``state``; None, ``state`` as given, when none is found within
+    PACKING_TRIES tries."""
+    def need(t: TableSpec) -> int:
+        return min(max(c.hbm_bytes for c in costs) for _, _, costs, _ in options[t.name])
+
+    order = sorted(tables, key=lambda t: -need(t))
+    chips = len(state.used)
+    placed: list[Placement] = []
+    levels = [iter(_packings(order[0], options[order[0].name], constraints, state, chips))]
+    for _ in range(PACKING_TRIES):
+        candidate = next(levels[-1], None)
+        if candidate is None:  # no placement of this table fits after the ones above: back up
+            levels.pop()
+            if not levels:
+                return None
+            state.add(placed.pop(), -1)
+            continue
+        state.add(candidate)
+        placed.append(candidate)
+        if len(placed) == len(order):
+            return {p.table: p for p in placed}
+        t = order[len(placed)]
+        levels.append(iter(_packings(t, options[t.name], constraints, state, chips)))
+    for placement in placed:
+        state.add(placement, -1)
+    return None
+
+
+def _packings(table: TableSpec, proposals: list, constraints: Mapping[str, Constraint], state: _Loads,
+              chips: int) -> list[Placement]:
+    """The table's placements that fit now, those leaving the least room on their devices first."""
+    allowed = constraints.get(table.name, Constraint()).ranks or tuple(range(chips))
+    fits = []
+    for kind, device_sets, costs, widths in proposals:
+        need = [c.hbm_bytes for c in costs]
+        if kind == TABLE_WISE:
+            sets = [r for r in device_sets if state.used[r[0]] + need[0] <= state.capacity]
+        else:
+            sets = _candidate_sets(kind, device_sets, state.compute + state.comm, state.used, np.array(need),
+                                   state.capacity, len(costs), allowed)
+        for ranks in sets:
+            room = min(state.capacity - int(state.used[d]) - n for d, n in zip(ranks, need))
+            fits.append((room, Placement(table.name, kind, tuple(ranks), tuple(costs), widths)))
+    return [p for _, p in sorted(fits, key=lambda f: f[0])]
 
 
 def _candidate_sets(kind, device_sets, load, used, need, capacity, shards, allowed):

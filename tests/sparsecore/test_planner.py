@@ -463,3 +463,34 @@ def test_infeasible_hints_only_untried_splits_and_names_the_batch_baseline():
     message = str(error.value)
     assert "batch size 1,000,000" in message and "before any table is placed" in message
     assert "smaller --batch-size" in message and "-" not in message.split("GiB")[0]
+
+
+def test_a_plan_exists_whenever_a_table_wise_packing_does():
+    # Tables limited to table-wise on 2 chips: feasibility is bin packing, checked here by trying
+    # every assignment. Placing for speed alone once reported "no plan fits" where one did.
+    import itertools
+
+    from sparsecore.planner.cost import CostModel, shard_costs
+    from sparsecore.planner.search import device_baseline
+    from sparsecore.planner.topology import parse_topology
+
+    tables = [TableSpec(name=f"t{i}", num_embeddings=r * 1_000_000, embedding_dim=64, optimizer="sgd")
+              for i, r in enumerate([3, 3, 2, 2, 2])]
+    only_table_wise = {t.name: Constraint(sharding_types=("table_wise",)) for t in tables}
+    outcomes = set()
+    for hbm_gib in np.arange(1.0, 2.4, 0.05):
+        topology = parse_topology("v5p:2", hbm_bytes=int(hbm_gib * 2**30))
+        capacity = int(topology.hbm_bytes * (1 - CostModel().reserved_fraction))
+        base, _ = device_baseline(tables, topology, 512)
+        need = [shard_costs(t, "table_wise", 1, topology, 512, CostModel())[0].hbm_bytes for t in tables]
+        feasible = any(max(base + sum(n for n, a in zip(need, assign) if a == d) for d in (0, 1)) <= capacity
+                       for assign in itertools.product((0, 1), repeat=len(tables)))
+        try:
+            result = plan_tables(tables, topology, 512, constraints=only_table_wise)
+        except PlanningError as error:
+            assert not feasible, f"{hbm_gib:.2f} GiB: {error}"
+            outcomes.add("infeasible")
+            continue
+        assert feasible and int(result.device_bytes.max()) <= capacity
+        outcomes.add("planned")
+    assert outcomes == {"planned", "infeasible"}  # the range crosses the boundary
