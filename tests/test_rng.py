@@ -131,3 +131,10 @@ def test_a_cpu_generator_is_refused_by_tpu_random_ops():
         torch.empty(3, device="tpu").normal_(generator=torch.Generator())
     g = torch.Generator("tpu").manual_seed(0)
     assert torch.randn(3, device="tpu", generator=g).device.type == "tpu"
+
+
+def test_generator_offsets_are_named_as_the_tpu_s():
+    g = torch.Generator("tpu")
+    for call in (g.get_offset, lambda: g.set_offset(4)):
+        with pytest.raises(RuntimeError, match="tpu generators draw from an mt19937 stream"):
+            call()

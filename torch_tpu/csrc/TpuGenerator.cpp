@@ -20,8 +20,12 @@ TpuGeneratorImpl::TpuGeneratorImpl(c10::DeviceIndex device, at::Generator inner)
       inner_(std::move(inner)) {}
 
 void TpuGeneratorImpl::set_current_seed(uint64_t seed) { inner_.set_current_seed(seed); }
-void TpuGeneratorImpl::set_offset(uint64_t offset) { inner_.set_offset(offset); }
-uint64_t TpuGeneratorImpl::get_offset() const { return inner_.get_offset(); }
+// The CPU generator underneath says "CPU Generator does not use offset": name the tpu's own.
+constexpr const char* kNoOffset =
+    "tpu generators draw from an mt19937 stream, as CPU ones do: they have no Philox offset; save and restore "
+    "them with get_state() / set_state()";
+void TpuGeneratorImpl::set_offset(uint64_t /*offset*/) { TORCH_CHECK(false, kNoOffset); }
+uint64_t TpuGeneratorImpl::get_offset() const { TORCH_CHECK(false, kNoOffset); }
 uint64_t TpuGeneratorImpl::current_seed() const { return inner_.current_seed(); }
 uint64_t TpuGeneratorImpl::seed() { return inner_.seed(); }
 
