@@ -390,3 +390,17 @@ def test_strided_tensors_on_some_ranks_take_the_same_transport(device):
     for rank, got in enumerate(assert_all_ok(run_ranks(strided_on_some_ranks, world, device, timeout_s=60))):
         for name, expected in want.items():
             assert_close(got[name], expected, rtol=0, atol=0, msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+def premul_sum_on_cpu(rank: int, world: int) -> torch.Tensor:
+    x = torch.full((3,), float(rank + 1))
+    dist.all_reduce(x, op=dist._make_nccl_premul_sum(0.5))
+    return x
+
+
+@pytest.mark.parametrize("transport", ["auto", "gloo"])
+def test_premul_sum_on_cpu_tensors_works_on_either_transport(transport):
+    # Gloo has no PREMUL_SUM: tpu_dist lowers it whichever transport carries the call.
+    results = assert_all_ok(run_ranks(premul_sum_on_cpu, 2, env={"TORCH_TPU_DIST_TRANSPORT": transport}))
+    for x in results:
+        assert_close(x, torch.full((3,), 1.5), rtol=0, atol=0)

@@ -466,6 +466,12 @@ void collective_on_cpu(const c10::OperatorHandle& op, c10::DispatchKeySet, torch
     TORCH_CHECK(!staging.any(), "tpu_dist: ", schema.name(), " of non-contiguous tensors in a form the shared "
                 "memory does not carry; pass tensor.contiguous() and copy the result back");
   }
+  {
+    // Gloo has no PREMUL_SUM: lowered here as over the channel and on tpu tensors, so the
+    // same call works whichever transport carries it (a no-op if the channel block lowered it).
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    lower_premul_sum(schema, args);
+  }
   auto work = run_on_cpu_backend(schema, args);
   pending_gloo_work().issued(group_name(schema, args), work);
   push_returns(schema, stack, args[0], std::move(work));
