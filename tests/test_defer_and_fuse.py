@@ -6,6 +6,7 @@ graph; intermediates nobody holds are never allocated; repeated steps hit
 the graph cache."""
 
 import contextlib
+import gc
 import io
 import os
 import subprocess
@@ -1204,3 +1205,36 @@ def test_an_error_raised_on_leaving_the_mode_leaves_it_all_the_same():
     with deferring():
         y = x * 3
     assert y.tolist() == [0.0, 3.0, 6.0, 9.0, 12.0, 15.0]
+
+
+def test_a_queued_compile_keeps_no_tensor_of_the_step_alive(monkeypatch):
+    # The compile reads the inputs' geometry only: a step's tensors must be freed when the step
+    # lets them go, not when a background compile gets to its graph. The compile here stays
+    # queued (an executor that holds what is submitted) while the step's tensors go.
+    import concurrent.futures
+    import weakref
+
+    class Queue:
+        def __init__(self):
+            self.held = []
+
+        def submit(self, fn, *args):
+            self.held.append((fn, args))  # what a compile still queued would keep
+            done = concurrent.futures.Future()
+            done.set_result(None)  # (never run: the graph stays op by op)
+            return done
+
+    monkeypatch.setenv(COMPILE, "async")
+    queue = Queue()
+    monkeypatch.setattr(defer.engine().graphs, "_executor", lambda: queue)
+    refs = []
+    for _ in range(deferred_graph.COMPILE_AT_RUN):
+        x = torch.randn(1024, device="tpu")
+        with deferring():
+            y = (x * 2 + 1).relu()
+        assert torch.equal(y.cpu(), (x.cpu() * 2 + 1).relu())
+        refs.append(weakref.ref(x))
+        del x, y
+    assert len(queue.held) == 1  # the compile, queued
+    gc.collect()
+    assert all(r() is None for r in refs)

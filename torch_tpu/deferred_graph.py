@@ -190,6 +190,13 @@ def to_fx(graph: Any, outputs: list[tuple]) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(torch.nn.Module(), fx)
 
 
+def shape_of(x: Any) -> Any:
+    """A tensor's geometry without its memory (a meta tensor); other values as they are."""
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    return x
+
+
 def written_inputs(graph: Any) -> list[int]:
     """The inputs the graph's in-place nodes write (graph.in_place: real tensors updated in place)."""
     written: dict[int, None] = {}
@@ -270,11 +277,14 @@ class GraphCache:
             mode = self.compile_mode()
             if mode != "off" and len(graph.nodes) >= MIN_COMPILED_OPS:
                 gm = to_fx(graph, outputs)
-                examples = list(graph.inputs)  # for their shapes; the compile reads no values
+                # Their geometry only: a queued compile must not keep the step's tensors alive.
+                examples = [shape_of(t) for t in graph.inputs]
+                device = next((t.device.index or 0 for t in graph.inputs
+                               if isinstance(t, torch.Tensor) and t.device.type == "tpu"), None)
                 if mode == "sync":
-                    self._compile(entry, gm, examples)
+                    self._compile(entry, gm, examples, device)
                 else:
-                    entry.future = self._executor().submit(self._compile, entry, gm, examples)
+                    entry.future = self._executor().submit(self._compile, entry, gm, examples, device)
         if entry.runner is not None:
             values = entry.runner(*graph.inputs)
             return list(values), entry.runner.last_ran_compiled
@@ -300,12 +310,12 @@ class GraphCache:
             return self._pool
 
     @staticmethod
-    def _compile(entry: _Entry, gm: torch.fx.GraphModule, examples: list) -> None:
+    def _compile(entry: _Entry, gm: torch.fx.GraphModule, examples: list, device: int | None) -> None:
         from torch_tpu import inductor
 
         outputs = len(gm.graph.output_node().args[0])
         try:
-            compiled = inductor.compile_graph(gm, examples, tpu_outputs=[True] * outputs)
+            compiled = inductor.compile_graph(gm, examples, tpu_outputs=[True] * outputs, device=device)
         except Exception as error:  # noqa: BLE001 - the graph keeps running op by op
             if sys.is_finalizing() or "shutdown" in str(error):
                 return  # the process is exiting

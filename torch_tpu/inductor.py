@@ -177,7 +177,9 @@ def unfuse_bias_adds(gm: torch.fx.GraphModule) -> int:
 
 
 def _host_example(t: Any) -> Any:
-    if isinstance(t, torch.Tensor) and t.device.type == "tpu":
+    """A CPU stand-in for an input (tpu, or meta: its shape only), which the compile reads the
+    geometry of."""
+    if isinstance(t, torch.Tensor) and t.device.type in ("tpu", "meta"):
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
     return t
 
@@ -342,12 +344,15 @@ def compile_graph(
     *,
     choose: bool = True,
     tpu_outputs: Sequence[bool] | None = None,
+    device: int | None = None,
 ) -> Callable[..., Any]:
     """A callable running the ATen graph ``gm`` on tpu tensors: Inductor-compiled
     for cpu and run on host views, or - when the graph cannot be compiled with
     tpu semantics or (``choose``) runs slower compiled - op by op on tpu.
     ``tpu_outputs`` says which outputs are tpu tensors (default: from the
-    graph's node values)."""
+    graph's node values). Only the inputs' geometry is read: ``example_inputs``
+    may be meta tensors, with ``device`` the tpu they will be on (default: the
+    tpu inputs')."""
     if _has_unbacked_sizes(gm):
         # Sizes known only from values (Dynamo's capture_dynamic_output_shape_ops /
         # capture_scalar_outputs): the host copy's compile cannot rebind them.
@@ -364,7 +369,7 @@ def compile_graph(
                     else "runs op by op", reason)
         return gm if split is None else split
     outputs = _output_devices(gm) if tpu_outputs is None else list(tpu_outputs)
-    runner = HostRunner(compiled, _tpu_device(example_inputs), outputs, layouts)
+    runner = HostRunner(compiled, _tpu_device(example_inputs) if device is None else device, outputs, layouts)
     # A graph drawing random numbers stays with one variant: compiled and op by op draw
     # different streams, and alternating them would break a seed's reproducibility.
     return ChoosingRunner(runner, gm) if choose and not _draws_random_numbers(gm) else runner
