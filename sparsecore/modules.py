@@ -77,8 +77,8 @@ class SparseCoreEmbeddingBagCollection(SparseCoreCollection):
     def _forward_training_weights(self, features: KeyedJaggedTensor, weights: torch.Tensor) -> KeyedTensor:
         """forward for TorchRec's position-weighted features: the weights get their gradient too."""
         check_trainable(self._configs, self._allow_id_dropping)
+        out = super().forward(detached(features))  # after the queued updates, as the lookup
         gradient = weight_gradient(features, self._configs, self._stacks, self._weights)
-        out = super().forward(detached(features))
         values = with_weight_gradient(out.values(), weights, gradient)
         return KeyedTensor(keys=out.keys(), length_per_key=out.length_per_key(), values=values)
 

@@ -14,6 +14,7 @@ accepts ``(torch.optim.SGD | Adagrad | Adam, kwargs)`` as TorchRec's
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 import torch
@@ -173,4 +174,8 @@ def from_torch_optim(optimizer: Any) -> Optimizer:
     if unknown:
         raise ConfigError("*", f"{cls.__name__} kwargs", sorted(unknown), f"a subset of {sorted(allowed)}")
     args = {k: (tuple(v) if k == "betas" else v) for k, v in kwargs.items() if k in allowed}
+    # What the tuple leaves out is torch.optim's default, not ours (SGD's lr: 1e-3, not 0.01).
+    for name, parameter in inspect.signature(cls.__init__).parameters.items():
+        if name in allowed and name not in args and isinstance(parameter.default, (int, float, tuple)):
+            args[name] = parameter.default
     return targets[cls](**args)

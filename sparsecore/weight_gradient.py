@@ -5,8 +5,8 @@ A weighted bag pools ``sum_i gain_i * row(id_i)`` with ``gain_i = w_i`` (sum) or
 constants; when they require grad (TorchRec's ``PositionWeightedModule`` makes
 them from a parameter), the pooled output passes through ``with_weight_gradient``,
 whose backward gives each weight ``d loss / d w_i = scale_i * <gradient of its bag's
-output, row(id_i)>``. It reads the rows the lookup read: the node sits after the
-lookups, so its backward runs before their fused updates step the rows.
+output, row(id_i)>``, over the rows as the lookup read them (read at the forward:
+the fused updates step them in the backward).
 
 sqrtn bags (``w_i / sqrt(sum w^2)``) are not linear in the weights and dropped ids
 leave no trace of which were dropped: both are refused. Under ``torch.compile`` this
@@ -81,7 +81,9 @@ def weight_gradient(features: KeyedJaggedTensor, configs: Sequence[SparseCoreEmb
                     stacks: Sequence[StackSpec], tables: Mapping[str, torch.Tensor]
                     ) -> Callable[[torch.Tensor], torch.Tensor]:
     """The gradient of ``features``' weights given that of the pooled (B, sum of dims) output;
-    ``tables``: each stack's physical table, read when the gradient is asked for."""
+    ``tables``: each stack's physical table. The rows are read now, as the lookup read them: a
+    module called twice before one backward steps its rows in the later call's backward, which
+    runs first."""
     slots = _slots(configs, stacks)
     weights = features.weights()
     batch = features.stride()
@@ -89,25 +91,26 @@ def weight_gradient(features: KeyedJaggedTensor, configs: Sequence[SparseCoreEmb
     offsets = features.offset_per_key()
     values = features.values()
     lengths = features.lengths().view(len(keys), batch) if keys else features.lengths()
+    parts = []  # per feature with ids: (start, end, rows read, bag of each id, columns, scale)
+    for k, feature in enumerate(keys):
+        start, end = offsets[k], offsets[k + 1]
+        if start == end:
+            continue
+        slot = slots[feature]
+        table = tables[slot.stack.name]
+        ids = values[start:end].to(table.device, torch.long)
+        bag_lengths = lengths[k].to(table.device, torch.long)
+        bags = torch.repeat_interleave(torch.arange(batch, device=table.device), bag_lengths)
+        sparsecore, row = slot.stack.locate(slot.table.name, ids)
+        rows = table.index_select(0, sparsecore * slot.stack.rows_per_sparsecore + row).float()
+        scale = 1.0 / bag_lengths.index_select(0, bags) if slot.table.combiner_name == "mean" else None
+        parts.append((start, end, rows, bags, slot.column, slot.table.embedding_dim, scale))
 
     def gradient(grad: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(weights.shape, dtype=torch.float32, device=grad.device)
-        for k, feature in enumerate(keys):
-            start, end = offsets[k], offsets[k + 1]
-            if start == end:
-                continue
-            slot = slots[feature]
-            ids = values[start:end].to(grad.device, torch.long)
-            bag_lengths = lengths[k].to(grad.device, torch.long)
-            bags = torch.repeat_interleave(torch.arange(batch, device=grad.device), bag_lengths)
-            sparsecore, row = slot.stack.locate(slot.table.name, ids)
-            rows = tables[slot.stack.name].index_select(0, sparsecore * slot.stack.rows_per_sparsecore + row)
-            dim = slot.table.embedding_dim
-            bag_grad = grad[:, slot.column:slot.column + dim].index_select(0, bags)
-            dots = (rows.float() * bag_grad).sum(1)
-            if slot.table.combiner_name == "mean":
-                dots = dots / bag_lengths.index_select(0, bags)
-            out[start:end] = dots
+        for start, end, rows, bags, column, dim, scale in parts:
+            dots = (rows * grad[:, column:column + dim].index_select(0, bags)).sum(1)
+            out[start:end] = dots if scale is None else dots * scale
         return out.to(weights.device, weights.dtype)
 
     return gradient

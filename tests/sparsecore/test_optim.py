@@ -270,3 +270,15 @@ def test_an_lr_change_between_forward_and_backward_reaches_that_backward():
 def test_hyperparameters_torch_optim_refuses_are_refused(make, message):
     with pytest.raises(ConfigError, match=message):
         make()
+
+
+@pytest.mark.parametrize("cls", [torch.optim.SGD, torch.optim.Adagrad, torch.optim.Adam])
+def test_a_torch_optim_tuple_without_kwargs_takes_torch_optims_defaults(cls):
+    from sparsecore.optim import from_torch_optim
+
+    spec = from_torch_optim((cls, {}))
+    reference = cls([torch.zeros(1, requires_grad=True)]).defaults
+    assert spec.lr == reference["lr"]  # SGD's is 1e-3
+    for name in ("eps", "betas"):
+        if hasattr(spec, name):
+            assert getattr(spec, name) == reference[name]

@@ -174,3 +174,22 @@ def test_forward_async_trains_the_weights_and_prefetch_refuses_them():
     torch.testing.assert_close(weights["async"].grad, weights["sync"].grad, rtol=0, atol=0)
     with pytest.raises(InputError, match="prefetch"):
         asynchronous.prefetch(features(weights["async"]))
+
+
+def test_two_calls_before_one_backward_read_the_rows_each_call_looked_up():
+    # The later call's fused update runs first in the backward; the earlier call's weights
+    # must still get their gradient over the rows it looked up (as TorchRec's dense gradient).
+    torch.manual_seed(0)
+    reference_ebc = EmbeddingBagCollection(TABLES, is_weighted=True)
+    engine = _engine_like(reference_ebc, lr=1.0)
+    positions = PositionWeightedModuleCollection({"f": 3, "g": 3, "h": 3})
+    with torch.no_grad():
+        for p in positions.parameters():
+            p.uniform_(0.5, 1.5)
+    reference = FeatureProcessedEmbeddingBagCollection(reference_ebc, positions)
+    model = FeatureProcessedEmbeddingBagCollection(engine, copy.deepcopy(positions).to("tpu"))
+    first, second = _batch(0), _batch(1)
+    (reference(first).values().sum() + reference(second).values().pow(2).sum()).backward()
+    (model(first.to("tpu")).values().sum() + model(second.to("tpu")).values().pow(2).sum()).backward()
+    for name, p in model._feature_processors.named_parameters():
+        torch.testing.assert_close(p.grad.cpu(), dict(positions.named_parameters())[name].grad, rtol=1e-5, atol=1e-6)
