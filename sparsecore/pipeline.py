@@ -118,6 +118,9 @@ class _Reader:
     def next(self) -> Any:
         item, error = self._items.get()
         if error is not None:
+            # The reader has stopped: a later call ends the iteration (as next() on a generator
+            # that raised does) rather than waiting for an item that never comes.
+            self._items.put((_END, None))
             raise error
         if item is _END:
             self._items.put((item, None))  # exhausted for good: every later call says so too

@@ -309,3 +309,30 @@ def test_pipeline_steps_under_defer_and_fuse_run_dormant_with_the_plain_loops_nu
     assert away[-8:] == [True] * 8, away
     assert losses == expected
     assert_same_state(ref, ours)
+
+
+@pytest.mark.parametrize("read_ahead", [True, False], ids=["read_ahead", "on_the_loop"])
+def test_a_step_after_the_iterators_error_trains_what_was_fetched_then_stops(read_ahead):
+    # As on a generator that raised: the iteration is over. The batch fetched before the error
+    # still trains; it hung with the reader thread, which had stopped.
+    batches, sizes = loader()
+    ref, ref_opt = build(sizes, sparsecore.optim.SGD(lr=0.1))
+    ours, ours_opt = build(sizes, sparsecore.optim.SGD(lr=0.1))
+    expected = plain_loop(ref, ref_opt, batches[:3], schedulers(ref))
+
+    def failing():
+        yield from batches[:3]
+        raise ValueError("bad record")
+
+    pipeline = sparsecore.TrainPipeline(ours, ours_opt, "tpu", read_ahead=read_ahead)
+    scheduler, it, got = schedulers(ours), failing(), []
+    for _ in range(2):
+        got.append(pipeline.progress(it)[0].item())
+        scheduler.step()
+    with pytest.raises(ValueError, match="bad record"):
+        pipeline.progress(it)
+    got.append(pipeline.progress(it)[0].item())
+    with pytest.raises(StopIteration):
+        pipeline.progress(it)
+    pipeline.close()
+    assert got == expected
