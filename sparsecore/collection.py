@@ -69,6 +69,7 @@ class SparseCoreCollection(nn.Module):
         self._configs = [as_sparsecore_config(t) for t in tables]
         self._check_tables()
         self._device = torch.device(device if device is not None else "tpu")
+        self._num_sparsecores = num_sparsecores  # None: the device's (re-planned when a meta module lands)
         n = num_sparsecores or default_num_sparsecores(self._device)
         if is_weighted and not self._pooled:
             raise ValueError("is_weighted=True: a sequence collection has no pooling for weights to scale "
@@ -123,6 +124,7 @@ class SparseCoreCollection(nn.Module):
             return self  # "tpu" is the current tpu: .to("tpu") of a model on tpu:0 moves nothing
         if self._device.type == "meta":
             self._device = device
+            self._replan_for(device)
             self._init_optimizer_state()
             return self
         self._device = device
@@ -134,6 +136,20 @@ class SparseCoreCollection(nn.Module):
             # Over the moved state; the lr (in the host hyperparameters) and step counts stay.
             self.fused_optimizer = self._make_fused_optimizer()
         return self
+
+    def _replan_for(self, device: torch.device) -> None:
+        """A module built on meta, materialized on ``device``: its stacks laid out over the
+        device's SparseCores, as a module built there (the meta device has one), and the
+        tables (no values yet) shaped for them."""
+        n = self._num_sparsecores or default_num_sparsecores(device)
+        if all(s.num_sparsecores == n for s in self._stacks):
+            return
+        self._stacks = plan_stacks(self._configs, n, weighted=self._is_weighted)
+        self.__dict__.pop("stacks", None)  # the cached public list
+        for stack in self._stacks:
+            shape = (n * stack.rows_per_sparsecore, stack.embedding_dim)
+            self._weights[stack.name] = nn.Parameter(
+                torch.empty(shape, dtype=self._weights[stack.name].dtype, device=device), requires_grad=False)
 
     def is_weighted(self) -> bool:
         """Whether a KJT's weights scale its ids' rows (as TorchRec's ``is_weighted``; default

@@ -8,6 +8,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from sparsecore.config import SparseCoreEmbeddingConfig
 from sparsecore.errors import InputError
+from sparsecore import optim
 from sparsecore.modules import SparseCoreEmbeddingBagCollection
 
 
@@ -165,3 +166,19 @@ def test_a_sequence_collection_refuses_is_weighted():
     with pytest.raises(ValueError, match="a sequence collection has no pooling"):
         SparseCoreEmbeddingCollection([EmbeddingConfig(name="s", num_embeddings=5, embedding_dim=4, feature_names=["q"])],
                                       device="cpu", is_weighted=True)
+
+
+def test_a_module_built_on_meta_lands_on_the_tpus_sparsecores():
+    # The meta device has one SparseCore; materialized on a tpu, the stacks are laid out over
+    # the chip's, as a module built there (partition limits count per SparseCore).
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    tables = [EmbeddingBagConfig(name="t", num_embeddings=1000, embedding_dim=4, feature_names=["f"])]
+    built = SparseCoreEmbeddingBagCollection(tables, optim.SGD(lr=0.1), device="tpu")
+    landed = SparseCoreEmbeddingBagCollection(tables, optim.SGD(lr=0.1), device="meta").to_empty(device="tpu")
+    landed.load_state_dict(built.state_dict())
+    chip = torch.tpu.get_device_properties().sparsecores_per_chip
+    assert [s.num_sparsecores for s in landed.stacks] == [chip] == [s.num_sparsecores for s in built.stacks]
+    assert landed.memory_breakdown() == built.memory_breakdown()
+    kjt = KeyedJaggedTensor(keys=["f"], values=torch.arange(64 * 5) % 1000, lengths=torch.full((64,), 5))
+    assert torch.equal(landed(kjt).values().cpu(), built(kjt).values().cpu())  # 320 ids: over one core's 256
