@@ -172,6 +172,12 @@ def state_dict(module: ShardedSparseCoreCollection) -> dict[str, torch.Tensor]:
     mesh = DeviceMesh.from_group(module._group or dist.group.WORLD, module._device.type)
     out: dict[str, torch.Tensor] = {}
     pieces = _mine(module)
+    step = None
+    if module._optimizer is not None:
+        # A rank holding none of a table has no step count of its own (0): DCP keeps one copy of
+        # this replicated value, from any rank, so every rank saves the group's (the maximum).
+        step = module.step_count().detach().cpu().to(torch.int64).clone()
+        dist.all_reduce(step, op=dist.ReduceOp.MAX, group=module._group)
     for c in module._layout.configs:
         blocks = _to_blocks(module, c.name, pieces[c.name], _state_names(module))
         for name, block in blocks.items():
@@ -180,7 +186,7 @@ def state_dict(module: ShardedSparseCoreCollection) -> dict[str, torch.Tensor]:
             out[_key(module, c.name, name)] = DTensor.from_local(block, mesh, [Shard(0)], run_check=False, shape=shape,
                                                          stride=stride)
         if module._optimizer is not None:
-            out[_key(module, c.name, "step")] = module.step_count().clone()
+            out[_key(module, c.name, "step")] = step.clone()
     return out
 
 

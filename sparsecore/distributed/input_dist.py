@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from sparsecore.distributed.layout import RowBuckets, ShardLayout
 from sparsecore.errors import InputError
@@ -57,6 +57,25 @@ def _row_splits(rows: RowBuckets, features: list[tuple[torch.Tensor, torch.Tenso
     return out
 
 
+def jagged_dict(kjt: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+    """``kjt.to_dict()``, also for a batch of no samples (TorchRec's fails at stride 0)."""
+    if kjt.stride() != 0:
+        return kjt.to_dict()
+    weights = kjt.weights_or_none()
+    return {f: JaggedTensor(values=kjt.values()[:0], lengths=kjt.lengths()[:0],
+                            weights=None if weights is None else weights[:0]) for f in kjt.keys()}
+
+
+def select(kjt: KeyedJaggedTensor, features: dict[str, str]) -> KeyedJaggedTensor:
+    """The KJT of ``features`` (new name -> feature of ``kjt``), in that order; keeps a stride of 0."""
+    if kjt.stride() != 0:
+        jagged = kjt.to_dict()
+        return KeyedJaggedTensor.from_jt_dict({new: jagged[old] for new, old in features.items()})
+    weights = kjt.weights_or_none()
+    return KeyedJaggedTensor(keys=list(features), values=kjt.values()[:0], lengths=kjt.lengths()[:0],
+                             weights=None if weights is None else weights[:0], stride=0)
+
+
 class InputDist:
     """Routes local KJTs to the ranks' shards (see the module docstring)."""
 
@@ -97,7 +116,7 @@ class InputDist:
         weighted = kjt.weights_or_none() is not None or self.gains_needed
         per_rank: list[dict[str, tuple]] = [{} for _ in range(self.world)]
         by_rows: dict[RowBuckets, list[tuple[str, tuple]]] = {}  # features split over several shards
-        for feature, jagged in kjt.to_dict().items():
+        for feature, jagged in jagged_dict(kjt).items():
             if feature in self.replicated:
                 continue
             values, lengths = jagged.values().cpu().long(), jagged.lengths().cpu().long()
@@ -121,9 +140,8 @@ class InputDist:
         return per_rank
 
     def _rename(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        jagged = kjt.to_dict()
-        local = {route.local_feature: jagged[f] for f, routes in self.routes.items() for route in routes}
-        return KeyedJaggedTensor.from_jt_dict({f: local[f] for f in self.local_features})
+        local = {route.local_feature: f for f, routes in self.routes.items() for route in routes}
+        return select(kjt, {f: local[f] for f in self.local_features})
 
     def _exchange(self, per_rank: list[dict[str, tuple]], batch_size: int,
                   weighted: bool) -> tuple[KeyedJaggedTensor, list[int]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import hashlib
 
 import torch
 import torch.distributed as dist
@@ -20,10 +21,10 @@ from torch import nn
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from sparsecore.distributed.input_dist import InputDist
+from sparsecore.distributed.input_dist import InputDist, select
 from sparsecore.distributed.layout import ShardLayout
 from sparsecore.distributed.output_dist import OutputDist
-from sparsecore.distributed.plan import COLUMN_WISE, ShardingPlan, default_plan
+from sparsecore.distributed.plan import COLUMN_WISE, PlanError, ShardingPlan, default_plan
 from sparsecore.distributed.row_exchange import merge_across_ranks, whole_row_statistic
 from sparsecore.executor import Pending, completed, executor_for, run_on
 from sparsecore.collection import SparseCoreCollection
@@ -58,6 +59,7 @@ class ShardedSparseCoreCollection(nn.Module):
         super().__init__()
         self._group = process_group
         self._rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+        _check_same_plan(plan, process_group)
         if plan.world_size != world:
             raise ValueError(f"the plan is for {plan.world_size} ranks but the process group has {world}")
         self._configs = list(module._configs)
@@ -87,6 +89,7 @@ class ShardedSparseCoreCollection(nn.Module):
         if module._device.type != "meta":
             self._copy_weights(module)
         if self.replicas is not None:
+            self._broadcast_replicas()
             for stack in self.replicas.stacks:
                 self.replicas.set_row_exchange(stack.name, functools.partial(merge_across_ranks, group=process_group))
         if isinstance(module._optimizer, RowWiseAdagrad):
@@ -113,6 +116,23 @@ class ShardedSparseCoreCollection(nn.Module):
                 if s.rank == self._rank:
                     self.engine.set_row_exchange(s.stack, functools.partial(
                         whole_row_statistic, group=groups[ranks], dim=c.embedding_dim))
+
+    @torch.no_grad()
+    def _broadcast_replicas(self) -> None:
+        """The data-parallel replicas start as rank 0's (weights and optimizer state), as DDP's
+        parameters do: every rank then steps them alike (a module built on meta, or seeded
+        differently per rank, would otherwise hold a different replica on every rank)."""
+        if dist.get_world_size(self._group) == 1:
+            return
+        source = dist.get_global_rank(self._group or dist.group.WORLD, 0)
+        for c in self._layout.replicated:
+            weight = self.replicas.table_weight(c.name).cpu().contiguous()
+            dist.broadcast(weight, src=source, group=self._group)
+            self.replicas.set_table_weight(c.name, weight)
+            for name, value in sorted(self.replicas.table_optimizer_state(c.name).items()):
+                value = value.cpu().contiguous()
+                dist.broadcast(value, src=source, group=self._group)
+                self.replicas.set_table_optimizer_state(c.name, name, value)
 
     @torch.no_grad()
     def _copy_weights(self, module: SparseCoreCollection) -> None:
@@ -257,9 +277,8 @@ class ShardedSparseCoreEmbeddingBagCollection(ShardedSparseCoreCollection):
         shards = self.engine._detached_lookups(local_batch) if self.engine is not None else None
         replicated = None
         if self.replicas is not None:
-            jagged = features.to_dict()
-            own = {f: jagged[f] for c in self._layout.replicated for f in c.feature_names}
-            replicated = self.replicas._detached_lookups(KeyedJaggedTensor.from_jt_dict(own))
+            own = select(features, {f: f for c in self._layout.replicated for f in c.feature_names})
+            replicated = self.replicas._detached_lookups(own)
         return shards, replicated
 
     def _attached(self, looked_up: tuple, batch_size: int) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
@@ -377,6 +396,26 @@ def shard(module: SparseCoreCollection, plan: ShardingPlan | None = None,
     if plan is None:
         plan = default_plan(module._configs, dist.get_world_size(process_group))
     return kinds[type(module)](module, plan, process_group)
+
+
+def _check_same_plan(plan: ShardingPlan, group: dist.ProcessGroup | None) -> None:
+    """Raises PlanError on every rank unless every rank of the group passed the same plan
+    (ranks sharding by different plans would exchange rows that do not match)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    digest = hashlib.sha256(plan.to_json().encode()).digest()[:8]
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
+    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    hashes = [int(h) for h in gathered]
+    if len(set(hashes)) == 1:
+        return
+    alike: dict[int, list[int]] = {}
+    for rank, h in enumerate(hashes):
+        alike.setdefault(h, []).append(rank)
+    groups = " vs ".join(str(ranks) for ranks in alike.values())
+    raise PlanError(f"the sharding plans differ between ranks: ranks {groups} passed different plans "
+                    f"(every rank must shard by the same plan); this is rank {dist.get_rank(group)}")
 
 
 def _no_update(grad: torch.Tensor, state: object) -> None:

@@ -364,3 +364,102 @@ def test_a_sharded_collection_refuses_weights_that_require_grad():
     results = assert_all_ok(run_ranks(trainable_weights_refused, 2, plan_for("row_wise", 2).to_json()))
     for message in results:
         assert "require grad" in message and "sharded collection" in message
+
+
+def no_samples() -> KeyedJaggedTensor:
+    """A batch of zero samples (stride 0) of every feature."""
+    keys = [f for t in tables() for f in t.feature_names]
+    return KeyedJaggedTensor(keys=keys, values=torch.zeros(0, dtype=torch.int64),
+                             lengths=torch.zeros(0, dtype=torch.int64), stride=0)
+
+
+def empty_batch_plan() -> ShardingPlan:
+    return ShardingPlan(world_size=2, tables={
+        "big": TableSharding(sharding_type="row_wise", ranks=(0, 1)),
+        "shared": TableSharding(sharding_type="table_wise", ranks=(0,)),
+        "tiny": TableSharding(sharding_type="data_parallel", ranks=(0, 1)),
+        "wide": TableSharding(sharding_type="column_wise", ranks=(1, 0), column_widths=(8, 8)),
+    })
+
+
+def train_with_an_empty_rank(rank: int, world: int, plan_json: str, optimizer) -> dict:
+    """Rank 0 has no samples at any step; rank 1 its usual ones."""
+    module = shard(make_module(optimizer, "tpu"), ShardingPlan.from_json(plan_json))
+    outputs = []
+    for step in range(STEPS):
+        out = module(no_samples() if rank == 0 else kjt_of([local_batch(rank, step)]))
+        outputs.append(out.values().detach().cpu())
+        grad = torch.zeros(0, out.values().shape[1]) if rank == 0 else output_grad(rank, step, out.values().shape[1])
+        out.values().backward(grad.to("tpu"))
+    shards = [(s.table, s.rows, s.columns, s.weight.cpu(), {k: v.cpu() for k, v in s.state.items()})
+              for s in module.local_shards()]
+    return {"outputs": outputs, "shards": shards}
+
+
+def test_a_rank_with_no_samples_gets_an_empty_output_and_training_goes_on():
+    optimizer = optim.Adam(lr=0.05)
+    results = assert_all_ok(run_ranks(train_with_an_empty_rank, 2, empty_batch_plan().to_json(), optimizer))
+    ref = make_module(optimizer, "cpu")
+    width = sum(len(t.feature_names) * t.embedding_dim for t in tables())
+    assert tuple(ref(no_samples()).values().shape) == (0, width)  # the unsharded module's contract
+    for step in range(STEPS):
+        out = ref(kjt_of([local_batch(1, step)]))
+        assert tuple(results[0]["outputs"][step].shape) == (0, width)
+        assert_close(results[1]["outputs"][step], out.values().detach(), msg=lambda m: f"step {step}: {m}")
+        out.values().backward(output_grad(1, step, width))
+    for result in results:
+        assert_shards_match(result["shards"], ref)
+
+
+def shard_by_own_plan(rank: int, world: int, plan_jsons: list[str]) -> str:
+    try:
+        shard(make_module(optim.SGD(lr=0.1), "tpu"), ShardingPlan.from_json(plan_jsons[rank]))
+    except Exception as e:  # noqa: BLE001 - the test checks which
+        return f"{type(e).__name__}: {e}"
+    return "sharded"
+
+
+@pytest.mark.parametrize("difference", ["sparsecores_per_chip", "column_wise ranks swapped"])
+def test_ranks_sharding_by_different_plans_are_refused_on_every_rank(difference):
+    def plan(rank: int) -> ShardingPlan:
+        if difference == "sparsecores_per_chip":
+            return ShardingPlan(world_size=2, sparsecores_per_chip=4 if rank == 0 else 2,
+                                tables=plan_for("row_wise", 2).tables)
+        ranks = (0, 1) if rank == 0 else (1, 0)
+        return ShardingPlan(world_size=2, tables={
+            **plan_for("table_wise", 2).tables,
+            "big": TableSharding(sharding_type="column_wise", ranks=ranks, column_widths=(4, 4))})
+
+    messages = assert_all_ok(run_ranks(shard_by_own_plan, 2, [plan(r).to_json() for r in range(2)],
+                                       group_timeout_s=20.0))
+    for message in messages:
+        assert message.startswith("PlanError") and "plans differ between ranks" in message, message
+        assert "[0] vs [1]" in message, message
+    # The same plan on every rank still shards.
+    same = plan(0).to_json()
+    assert assert_all_ok(run_ranks(shard_by_own_plan, 2, [same, same])) == ["sharded", "sharded"]
+
+
+def replicas_of_a_meta_module(rank: int, world: int) -> dict:
+    torch.manual_seed(rank)  # a different seed on every rank: the replicas must still agree
+    configs = [EmbeddingBagConfig(name="rw", num_embeddings=50, embedding_dim=4, feature_names=["f0"]),
+               EmbeddingBagConfig(name="dp", num_embeddings=6, embedding_dim=4, feature_names=["f1"])]
+    module = sparsecore.SparseCoreEmbeddingBagCollection(configs, optim.Adagrad(lr=0.1), device="meta")
+    plan = ShardingPlan(world_size=world, tables={"rw": TableSharding(sharding_type="row_wise", ranks=(0, 1)),
+                                                  "dp": TableSharding(sharding_type="data_parallel", ranks=(0, 1))})
+    sharded = shard(module, plan)
+    initial = next(s for s in sharded.local_shards() if s.table == "dp")
+    batch = KeyedJaggedTensor(keys=["f0", "f1"], values=torch.tensor([1, 7, 2 + rank, 3, 5 - rank]),
+                              lengths=torch.tensor([1, 2, 1, 1]))
+    sharded(batch).values().sum().backward()
+    trained = next(s for s in sharded.local_shards() if s.table == "dp")
+    return {"initial": (initial.weight.cpu(), {k: v.cpu() for k, v in initial.state.items()}),
+            "trained": (trained.weight.cpu(), {k: v.cpu() for k, v in trained.state.items()})}
+
+
+def test_data_parallel_replicas_of_a_meta_module_agree_across_ranks():
+    first, second = assert_all_ok(run_ranks(replicas_of_a_meta_module, 2))
+    for when in ("initial", "trained"):
+        assert_close(first[when][0], second[when][0], rtol=0, atol=0, msg=lambda m: f"{when} weight: {m}")
+        for name, value in first[when][1].items():
+            assert_close(value, second[when][1][name], rtol=0, atol=0, msg=lambda m: f"{when} {name}: {m}")
