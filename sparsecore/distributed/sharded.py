@@ -125,14 +125,13 @@ class ShardedSparseCoreCollection(nn.Module):
         if dist.get_world_size(self._group) == 1:
             return
         source = dist.get_global_rank(self._group or dist.group.WORLD, 0)
-        for c in self._layout.replicated:
-            weight = self.replicas.table_weight(c.name).cpu().contiguous()
-            dist.broadcast(weight, src=source, group=self._group)
-            self.replicas.set_table_weight(c.name, weight)
-            for name, value in sorted(self.replicas.table_optimizer_state(c.name).items()):
-                value = value.cpu().contiguous()
+        # The physical tables and state, in place: every rank lays the replicas out alike (one
+        # plan), and no copy of a table is made on the way.
+        replicas = self.replicas
+        for stack in replicas.stacks:
+            dist.broadcast(replicas._weights[stack.name].data, src=source, group=self._group)
+            for _, value in sorted(replicas._optimizer_state.get(stack.name, {}).items()):
                 dist.broadcast(value, src=source, group=self._group)
-                self.replicas.set_table_optimizer_state(c.name, name, value)
 
     @torch.no_grad()
     def _copy_weights(self, module: SparseCoreCollection) -> None:
