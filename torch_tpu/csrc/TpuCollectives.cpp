@@ -316,31 +316,30 @@ void push_returns(const c10::FunctionSchema& schema, torch::jit::Stack* stack, c
 // gloo and another on the channel would wait for each other until the timeout.
 class Staging {
  public:
-  void stage(torch::jit::Stack& args) {
-    for (auto& v : args) {
-      v = map_tensors(v, [this](const at::Tensor& t) {
+  void stage(const c10::FunctionSchema& schema, torch::jit::Stack& args) {
+    for (size_t i = 0; i < args.size(); ++i) {
+      const std::string& name = schema.arguments()[i].name();
+      const bool written = name == "tensors" || name == "output_tensor" || name == "output";
+      args[i] = map_tensors(args[i], [&](const at::Tensor& t) {
         if (!t.defined() || t.layout() != c10::kStrided || t.is_contiguous()) return t;
         at::Tensor copy = t.contiguous();
-        pairs_.push_back({t, copy});
+        pairs_.push_back({t, copy, written});
         return copy;
       });
     }
   }
 
-  bool any() const { return !pairs_.empty(); }
-
-  // The results into the caller's tensors (those of the arguments a collective writes).
-  void copy_back(const c10::FunctionSchema& schema, const torch::jit::Stack& args) const {
-    for (size_t i = 0; i < args.size(); ++i) {
-      const std::string& name = schema.arguments()[i].name();
-      if (name != "tensors" && name != "output_tensor" && name != "output") continue;
-      map_tensors(args[i], [this](const at::Tensor& t) {
-        for (const auto& p : pairs_) {
-          if (p.copy.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) p.original.copy_(p.copy);
-        }
-        return t;
-      });
+  // After the channel ran: the results into the caller's tensors.
+  void copy_back() const {
+    for (const auto& p : pairs_) {
+      if (p.written) p.original.copy_(p.copy);
     }
+  }
+
+  // For a call the channel did not take: gloo would read a strided view as dense.
+  void refuse(const c10::FunctionSchema& schema) const {
+    TORCH_CHECK(pairs_.empty(), "tpu_dist: ", schema.name(), " of non-contiguous tensors in a form the shared "
+                "memory does not carry; pass tensor.contiguous() and copy the result back");
   }
 
   at::Tensor original(const at::Tensor& t) const {
@@ -350,10 +349,15 @@ class Staging {
     return t;
   }
 
+  c10::IValue original(const c10::IValue& v) const {
+    return map_tensors(v, [this](const at::Tensor& t) { return original(t); });
+  }
+
  private:
   struct Pair {
     at::Tensor original;
     at::Tensor copy;
+    bool written;  // an argument the collective writes
   };
   c10::SmallVector<Pair, 2> pairs_;
 };
@@ -374,21 +378,17 @@ void collective_on_host(const c10::OperatorHandle& op, c10::DispatchKeySet, torc
   torch::jit::Stack args(stack->end() - num_args, stack->end());
   Staging staging;
   const auto channel = carrying_channel(schema, args);
-  if (channel) staging.stage(args);
+  if (channel) staging.stage(schema, args);
   for (auto& v : args) v = views.to_host(v);
   lower_premul_sum(schema, args);
   if (channel) {
     if (auto work = run_on_channel(schema, args, *channel)) {
-      torch::jit::Stack caller(stack->end() - num_args, stack->end());
-      for (size_t i = 0; i < num_args; ++i) caller[i] = views.to_tpu(args[i]);
-      staging.copy_back(schema, caller);
+      staging.copy_back();
       auto to_caller = [&](const at::Tensor& t) { return staging.original(views.to_tpu(t).toTensor()); };
-      push_returns(schema, stack, map_tensors(caller[0], [&](const at::Tensor& t) { return staging.original(t); }),
-                   handed_back(work, to_caller));
+      push_returns(schema, stack, staging.original(views.to_tpu(args[0])), handed_back(work, to_caller));
       return;
     }
-    TORCH_CHECK(!staging.any(), "tpu_dist: ", schema.name(), " of non-contiguous tensors in a form the shared "
-                "memory does not carry; pass tensor.contiguous() and copy the result back");
+    staging.refuse(schema);
   }
   const std::string group = group_name(schema, args);
   std::copy(args.begin(), args.end(), stack->end() - num_args);
@@ -453,18 +453,16 @@ void collective_on_cpu(const c10::OperatorHandle& op, c10::DispatchKeySet, torch
   const auto channel = carrying_channel(schema, args);
   if (channel && all_dense_cpu(args)) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // PREMUL_SUM's scaling is not differentiated
-    torch::jit::Stack caller(args);
     Staging staging;
-    staging.stage(args);
+    staging.stage(schema, args);
     lower_premul_sum(schema, args);  // in place for reductions in place: gloo gets the lowered call too
     if (auto work = run_on_channel(schema, args, *channel)) {
-      staging.copy_back(schema, args);
-      push_returns(schema, stack, caller[0],
+      staging.copy_back();
+      push_returns(schema, stack, staging.original(args[0]),
                    handed_back(work, [&](const at::Tensor& t) { return staging.original(t); }));
       return;
     }
-    TORCH_CHECK(!staging.any(), "tpu_dist: ", schema.name(), " of non-contiguous tensors in a form the shared "
-                "memory does not carry; pass tensor.contiguous() and copy the result back");
+    staging.refuse(schema);
   }
   {
     // Gloo has no PREMUL_SUM: lowered here as over the channel and on tpu tensors, so the

@@ -47,7 +47,6 @@ c10::DeviceIndex find_device(const c10::FunctionSchema& schema, c10::ArrayRef<c1
   *to_cpu = false;
   const char* op = schema.name().c_str();
   const bool allow_cpu = allows_cpu_tensors(schema.operator_name());
-  const bool copies = schema.name() == "aten::copy_";  // into a cpu tensor too
   for (size_t i = 0; i < args.size(); ++i) {
     const auto& v = args[i];
     if (v.isTensor()) {
@@ -55,7 +54,8 @@ c10::DeviceIndex find_device(const c10::FunctionSchema& schema, c10::ArrayRef<c1
       const auto* alias = schema.arguments()[i].alias_info();
       // A 0-dim cpu tensor mixes in as a scalar operand, never as a result (as on CUDA): the
       // kernel would resize it in tpu memory and leave the caller's tensor without storage.
-      TORCH_CHECK(copies || !t.defined() || is_tpu(t) || alias == nullptr || !alias->isWrite(),
+      TORCH_CHECK(!t.defined() || is_tpu(t) || alias == nullptr || !alias->isWrite() ||
+                      schema.name() == "aten::copy_",  // copies go into cpu tensors too
                   "Expected all tensors to be on the same device, but found at least two devices, ", t.device(),
                   " and tpu! (in ", op, ": the result ", schema.arguments()[i].name(), " is on ", t.device(), ")");
       check_operand_device(op, t, &device, allow_cpu);
@@ -144,8 +144,7 @@ void tpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
   bool to_cpu = false;
   const c10::DeviceIndex device = find_device(schema, args, &to_cpu);
-  wait_current_stream(device);
-  HostScope scope(device, /*redirect=*/!to_cpu);
+  HostScope scope(device, /*redirect=*/!to_cpu);  // after the current stream's queued work
   for (size_t i = 0; i < num_args; ++i) {
     auto& slot = (*stack)[args_begin + i];
     slot = to_host(std::move(slot), arguments[i], scope);
