@@ -45,8 +45,7 @@ COPY_SLICE_BYTES = 1 << 20
 def logical_to_physical(stack: StackSpec, table: str, device: torch.device | None = None) -> torch.Tensor:
     """Physical row of each logical row of a table (sparsecore.stacking's mod sharding)."""
     config = next(t for t in stack.tables if t.name == table)
-    sparsecore, row = stack.locate(table, torch.arange(config.num_embeddings, device=device))
-    return sparsecore * stack.rows_per_sparsecore + row
+    return stack.physical_row(table, torch.arange(config.num_embeddings, device=device))
 
 
 class SparseCoreCollection(nn.Module):
@@ -83,8 +82,8 @@ class SparseCoreCollection(nn.Module):
         self._prefetched: tuple[object, Pending] | None = None  # see prefetch
         self._weights = nn.ParameterDict()
         for stack in self._stacks:
-            weight = torch.zeros((n * stack.rows_per_sparsecore, stack.embedding_dim),
-                                 dtype=stack.tables[0].dtype, device=self._device)
+            weight = torch.zeros((stack.physical_rows, stack.embedding_dim), dtype=stack.tables[0].dtype,
+                                 device=self._device)
             self._weights[stack.name] = nn.Parameter(weight, requires_grad=False)
         self.reset_parameters()
         self._optimizer = None if optimizer is None else from_torch_optim(optimizer)
@@ -103,10 +102,9 @@ class SparseCoreCollection(nn.Module):
         # [lr, eps, beta1, beta2] on the host; fused_optimizer keeps lr in step with param_groups.
         self._hyper = torch.tensor(self._optimizer.hyper(self._optimizer.lr), dtype=torch.float64)
         for stack in self._stacks:
-            rows = stack.num_sparsecores * stack.rows_per_sparsecore
             self._optimizer_state[stack.name] = {
                 name: torch.full(shape, initial, dtype=torch.float32, device=self._device)
-                for name, (shape, initial) in self._optimizer.state(rows, stack.embedding_dim).items()
+                for name, (shape, initial) in self._optimizer.state(stack.physical_rows, stack.embedding_dim).items()
             }
             self._steps[stack.name] = torch.zeros(1, dtype=torch.int64)
         self.fused_optimizer = self._make_fused_optimizer()
@@ -147,9 +145,9 @@ class SparseCoreCollection(nn.Module):
         self._stacks = plan_stacks(self._configs, n, weighted=self._is_weighted)
         self.__dict__.pop("stacks", None)  # the cached public list
         for stack in self._stacks:
-            shape = (n * stack.rows_per_sparsecore, stack.embedding_dim)
             self._weights[stack.name] = nn.Parameter(
-                torch.empty(shape, dtype=self._weights[stack.name].dtype, device=device), requires_grad=False)
+                torch.empty((stack.physical_rows, stack.embedding_dim), dtype=self._weights[stack.name].dtype,
+                            device=device), requires_grad=False)
 
     def is_weighted(self) -> bool:
         """Whether a KJT's weights scale its ids' rows (as TorchRec's ``is_weighted``; default

@@ -71,15 +71,15 @@ class SparseCoreEmbeddingBagCollection(SparseCoreCollection):
             return self._keyed(features.stride(), self._inference_lookups(features))
         if not self._trains_weights(features):
             return super().forward(features)
-        return self._forward_training_weights(features, features.weights())
+        return self._forward_training_weights(features)
 
     @torch.compiler.disable(reason="KJT weights that require grad train in eager mode (sparsecore.weight_gradient)")
-    def _forward_training_weights(self, features: KeyedJaggedTensor, weights: torch.Tensor) -> KeyedTensor:
+    def _forward_training_weights(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """forward for TorchRec's position-weighted features: the weights get their gradient too."""
         check_trainable(self._configs, self._allow_id_dropping)
         out = super().forward(detached(features))  # after the queued updates, as the lookup
         gradient = weight_gradient(features, self._configs, self._stacks, self._weights)
-        values = with_weight_gradient(out.values(), weights, gradient)
+        values = with_weight_gradient(out.values(), features.weights(), gradient)
         return KeyedTensor(keys=out.keys(), length_per_key=out.length_per_key(), values=values)
 
     def forward_async(self, features: KeyedJaggedTensor | PreprocessedBatch) -> Pending | Resolved:

@@ -90,6 +90,16 @@ class StackSpec:
         shifted = ids + p.rotation
         return shifted % self.num_sparsecores, p.row_offset + shifted // self.num_sparsecores
 
+    @property
+    def physical_rows(self) -> int:
+        """Rows of the physical table: every SparseCore's share, one after another."""
+        return self.num_sparsecores * self.rows_per_sparsecore
+
+    def physical_row(self, table: str, ids: IdsT) -> IdsT:
+        """The physical table's row of an id of a table, or elementwise of a tensor of ids."""
+        sparsecore, row = self.locate(table, ids)
+        return sparsecore * self.rows_per_sparsecore + row
+
 
 def _stack_key(config: SparseCoreEmbeddingConfig) -> str:
     if config.stack_table_name is not None:

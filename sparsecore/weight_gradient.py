@@ -101,8 +101,7 @@ def weight_gradient(features: KeyedJaggedTensor, configs: Sequence[SparseCoreEmb
         ids = values[start:end].to(table.device, torch.long)
         bag_lengths = lengths[k].to(table.device, torch.long)
         bags = torch.repeat_interleave(torch.arange(batch, device=table.device), bag_lengths)
-        sparsecore, row = slot.stack.locate(slot.table.name, ids)
-        rows = table.index_select(0, sparsecore * slot.stack.rows_per_sparsecore + row).float()
+        rows = table.index_select(0, slot.stack.physical_row(slot.table.name, ids)).float()
         scale = 1.0 / bag_lengths.index_select(0, bags) if slot.table.combiner_name == "mean" else None
         parts.append((start, end, rows, bags, slot.column, slot.table.embedding_dim, scale))
 

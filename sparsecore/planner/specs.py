@@ -116,16 +116,7 @@ def _records(path: Path) -> list[dict[str, Any]]:
 def _integer(value: Any) -> Any:
     """An integer field's value as an int when it is one: 1000, 1000.0 (pandas makes ints of a
     column with gaps floats), "1000"; anything else as given, for TableSpec to refuse."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        try:
-            return int(value)
-        except ValueError:
-            try:
-                value = float(value)
-            except ValueError:
-                return value
+    value = _number(value) if isinstance(value, str) else value
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         return int(value)
     return value
