@@ -28,6 +28,7 @@ from sparsecore.kernels import lookup
 from sparsecore.optim import Optimizer, from_torch_optim
 from sparsecore.preprocess import PreprocessedBatch, Preprocessor, StackBatch, preprocess_and_look_up
 from sparsecore.stacking import StackSpec, plan_stacks
+from sparsecore.traced_preprocess import register, traced_batch
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class SparseCoreCollection(nn.Module):
         self._init_optimizer_state()
         self._register_state_dict_hook(_logical_state_dict)
         self._register_load_state_dict_pre_hook(_load_logical_state_dict, with_module=True)
+        self._traced_key = register(self)
 
     def _init_optimizer_state(self) -> None:
         """Fresh optimizer state on the module's device (none without an optimizer)."""
@@ -214,6 +216,10 @@ class SparseCoreCollection(nn.Module):
         self.wait_for_updates()  # pickling and deepcopy read the tables
         return super().__getstate__()
 
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._traced_key = register(self)  # a copy's own: the op finds the module by it
+
     def _stack_of(self, table: str) -> StackSpec:
         return next(s for s in self._stacks if table in s.placements)
 
@@ -297,7 +303,10 @@ class SparseCoreCollection(nn.Module):
                                 ) -> tuple[PreprocessedBatch, dict[str, torch.Tensor]]:
         """The batch and, for a KJT, the pooled stacks' rows looked up while it is preprocessed
         (detached; the rest are looked up from the batch). A traced step keeps the two apart:
-        its lookups are ops of the graph, its preprocessing is not."""
+        its lookups are ops of the graph, its preprocessing one opaque op (for a pooled module)."""
+        if (torch.compiler.is_compiling() and self._pooled and isinstance(features, KeyedJaggedTensor)
+                and self._device.type != "meta"):
+            return traced_batch(self, features, self._traced_key, self._device), {}
         if isinstance(features, PreprocessedBatch) or torch.compiler.is_compiling() or self._device.type == "meta":
             return self._batch_of(features), {}
         return self._preprocess(features, {s.name: self._weights[s.name].detach() for s in self._stacks if s.is_pooled})

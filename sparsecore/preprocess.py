@@ -81,7 +81,8 @@ class StackBatch:
     batch_size: int
     """Bag ``f * batch_size + b`` goes to output row ``b * F + f`` (F = num_bags / batch_size):
     the batch size for pooled stacks, ``num_bags`` for sequence stacks (rows in bag order)."""
-    stats: PartitionStats
+    stats: PartitionStats | None
+    """None in a batch preprocessed inside a compiled graph (sparsecore.traced_preprocess)."""
 
     def group_start(self, receiver: int, owner: int) -> int:
         if owner == 0:

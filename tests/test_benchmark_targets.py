@@ -47,7 +47,7 @@ def test_targets_without_a_paired_figure_are_judged_on_the_best_rounds():
     checked = check_targets(rows(1.45, 1.32))
     inductor = verdict(checked, "tpu compiled within 1.1x of CPU Inductor on small_ops_256")
     assert inductor == "MET"
-    assert verdict(checked, "tpu compiled never slower than Strict on the DLRM step") == "not measured"
+    assert verdict(checked, "tpu compiled never slower than Strict on dlrm_train_step") == "not measured"
 
 
 def test_step_flops_count_the_small_op_steps_eleven_gemms():

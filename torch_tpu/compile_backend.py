@@ -7,7 +7,9 @@ with symbolic sizes (it does once a function has been called with other
 shapes: "automatic dynamic"), the backend compiles one specialization per
 shape signature seen, at its first call, up to ``MAX_SPECIALIZATIONS``; past
 that it warns once and runs new shapes op by op (uncompiled), so a loop over
-ever-changing shapes never compiles without bound.
+ever-changing shapes never compiles without bound. A graph whose symbolic
+sizes reach only ops that run as they are (a KJT's ids, which vary with every
+batch, into SparseCore's preprocessing) is compiled once for all sizes.
 
 Registered with Dynamo by the ``torch_dynamo_backends`` entry point, so
 importing torch_tpu does not import Dynamo.
@@ -104,9 +106,23 @@ class ShapeSpecializations:
         return fn(*args)
 
 
+def _symbolic_sizes_reach_compiled_ops(gm: torch.fx.GraphModule) -> bool:
+    """Whether a node that would be compiled reads or makes a value of symbolic size. When
+    none does, the symbolic sizes end at ops run as they are (custom ops: say, SparseCore's
+    preprocessing of a KJT, whose ids per batch vary and whose buffers do not), so one
+    compile serves every size."""
+    def value(node: torch.fx.Node) -> Any:
+        return node.meta.get("example_value", node.meta.get("val"))
+
+    return any(
+        inductor.compilable(node) and any(_is_symbolic(value(n)) for n in (node, *node.all_input_nodes))
+        for node in gm.graph.nodes if node.op == "call_function"
+    )
+
+
 def tpu_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
     """The Dynamo backend: AOTAutograd with Inductor-on-tpu for every graph."""
-    if any(_is_symbolic(x) for x in example_inputs):
+    if any(_is_symbolic(x) for x in example_inputs) and _symbolic_sizes_reach_compiled_ops(gm):
         logger.info("graph with symbolic shapes: compiled per shape signature at first call")
         return ShapeSpecializations(gm)
     return _aot_compile(gm, example_inputs, **kwargs)

@@ -117,7 +117,8 @@ def _check_compilable(target: Any) -> None:
         raise NotCompilable(f"{target}: its cpu kernel's outputs are shaped unlike the tpu graph's")
 
 
-def _compilable(node: torch.fx.Node) -> bool:
+def compilable(node: torch.fx.Node) -> bool:
+    """Whether ``node`` would be compiled (in a run of such nodes), not run as it is."""
     try:
         _check_compilable(node.target)
     except NotCompilable:
@@ -435,19 +436,19 @@ def compile_around(gm: torch.fx.GraphModule, choose: bool = True) -> torch.fx.Gr
 
     reinplace_mutating_ops(gm)
     partition: dict[torch.fx.Node, int] = {}
-    compilable: dict[int, int] = {}  # partition -> its ops, for the compilable ones
+    ops_of: dict[int, int] = {}  # partition -> its ops, for the compilable ones
     current, previous_ok = 0, None
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        ok = _compilable(node)
+        ok = compilable(node)
         if not ok or previous_ok is not True:
             current += 1
         partition[node] = current
         if ok:
-            compilable[current] = compilable.get(current, 0) + 1
+            ops_of[current] = ops_of.get(current, 0) + 1
         previous_ok = ok
-    worth = {p for p, ops in compilable.items() if ops >= MIN_COMPILED_SEGMENT}
+    worth = {p for p, ops in ops_of.items() if ops >= MIN_COMPILED_SEGMENT}
     if not worth:
         return None
     split = split_module(gm, None, lambda node: partition[node], keep_original_order=True)

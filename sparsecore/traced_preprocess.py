@@ -1,0 +1,110 @@
+"""Host preprocessing of a KJT inside a ``torch.compile`` graph.
+
+A pooled module called with a raw KeyedJaggedTensor in a traced step
+preprocesses it with one opaque op, ``sparsecore::preprocess_kjt``, instead of
+tracing the preprocessing's Python (whose id checks and limit counts read
+tensor values: a graph break at each, and an error under ``fullgraph=True``).
+The op runs the eager preprocessing unchanged - every check and error, the
+module's observed limits and dropped ids - and returns each stack's COO
+buffers padded to a width fixed by the stack's limits, as a TPU's infeed
+buffers are: the graph's shapes never depend on the ids, so the step compiles
+once whatever the batches hold. The kernels walk the row pointers' groups and
+never visit the padding.
+
+The op takes the module as a string key (``register``), since an op's schema
+holds no Python objects.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from sparsecore.preprocess import PreprocessedBatch, StackBatch, align_up, bucket_width
+from sparsecore.stacking import StackSpec
+
+if TYPE_CHECKING:
+    from sparsecore.collection import SparseCoreCollection
+
+_MODULES: weakref.WeakValueDictionary[str, "SparseCoreCollection"] = weakref.WeakValueDictionary()
+_SERIALS = itertools.count()
+KEY_SEPARATOR = "\x1f"  # ASCII's unit separator, which no feature name holds
+
+
+def register(module: "SparseCoreCollection") -> str:
+    """A key naming ``module`` to the op, fresh for every module (copies included)."""
+    key = f"{type(module).__name__}#{next(_SERIALS)}"
+    _MODULES[key] = module
+    return key
+
+
+def _module(key: str) -> "SparseCoreCollection":
+    module = _MODULES.get(key)
+    if module is None:
+        raise RuntimeError(f"sparsecore::preprocess_kjt: module {key!r} no longer exists")
+    return module
+
+
+def static_width(stack: StackSpec) -> int:
+    """The entries per receiver that any batch within the stack's limits fits in: every
+    owner group holds at most max_ids_per_partition entries and starts aligned, and the
+    buffers are at least the suggested size."""
+    n = stack.num_sparsecores
+    width = bucket_width(n * align_up(stack.max_ids_per_partition))
+    suggested = stack.coo_buffer_size_per_device
+    return width if suggested is None else max(width, align_up(-(-suggested // n)))
+
+
+def _padded(batch: StackBatch, width: int, stack: StackSpec) -> list[torch.Tensor]:
+    extra = width - batch.embedding_ids.shape[1]
+    if extra < 0:
+        raise RuntimeError(f"stack {stack.name!r}: {batch.embedding_ids.shape[1]} entries per receiver passed "
+                           f"the {width} its limits allow")
+    pad = torch.nn.functional.pad
+    return [batch.row_pointers, pad(batch.embedding_ids, (0, extra)), pad(batch.sample_ids, (0, extra), value=-1),
+            pad(batch.gains, (0, extra))]
+
+
+@torch.library.custom_op("sparsecore::preprocess_kjt", mutates_args=())
+def preprocess_kjt(values: torch.Tensor, lengths: torch.Tensor, weights: Optional[torch.Tensor], keys: str,
+                   stride: int, module: str, device: torch.device) -> list[torch.Tensor]:
+    """``module``'s preprocessing of the KJT (``keys`` joined by KEY_SEPARATOR: a schema
+    holds no list of strings; values, lengths, weights, stride): per
+    pooled stack in order, row pointers, embedding ids, sample ids and gains, the last
+    three ``static_width`` wide, on ``device`` (the module's)."""
+    owner = _module(module)
+    kjt = KeyedJaggedTensor(keys=keys.split(KEY_SEPARATOR), values=values, lengths=lengths, weights=weights, stride=stride)
+    batch = owner.preprocess(kjt)
+    return [t for stack in owner.stacks for t in _padded(batch.stacks[stack.name], static_width(stack), stack)]
+
+
+@preprocess_kjt.register_fake
+def _preprocess_kjt_fake(values, lengths, weights, keys, stride, module, device):
+    out = []
+    for stack in _module(module).stacks:
+        n, width = stack.num_sparsecores, static_width(stack)
+        out.append(torch.empty((n, n), dtype=torch.int32, device=device))
+        out += [torch.empty((n, width), dtype=dtype, device=device)
+                for dtype in (torch.int32, torch.int32, torch.float32)]
+    return out
+
+
+def traced_batch(module: "SparseCoreCollection", kjt: KeyedJaggedTensor, key: str,
+                 device: torch.device) -> PreprocessedBatch:
+    """The PreprocessedBatch of ``kjt`` for ``module`` (a pooled one), through the op: what a
+    traced forward looks up. Its stacks carry no statistics (``stats`` None): the op observes
+    them into the module when it runs."""
+    weights = kjt.weights_or_none() if module.is_weighted() else None
+    buffers = preprocess_kjt(kjt.values(), kjt.lengths(), None if weights is None else weights.detach(),
+                             KEY_SEPARATOR.join(kjt.keys()), kjt.stride(), key, device)
+    stacks = {}
+    for i, stack in enumerate(module.stacks):
+        row_pointers, embedding_ids, sample_ids, gains = buffers[4 * i:4 * i + 4]
+        stacks[stack.name] = StackBatch(row_pointers=row_pointers, embedding_ids=embedding_ids, sample_ids=sample_ids,
+                                        gains=gains, num_bags=len(stack.feature_names) * kjt.stride(),
+                                        batch_size=kjt.stride(), stats=None)
+    return PreprocessedBatch(batch_size=kjt.stride(), stacks=stacks, lengths={})
