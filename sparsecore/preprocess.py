@@ -366,6 +366,10 @@ def view_kjt(kjt: KeyedJaggedTensor, stacks: Sequence[StackSpec]) -> KjtView:
     values = kjt.values()
     if values.dtype not in (torch.int64, torch.int32):
         raise InputError(f"ids must be int64 or int32, got {values.dtype}")
+    if kjt.variable_stride_per_key():
+        strides = dict(zip(keys, kjt.stride_per_key()))
+        raise InputError(f"features with batch sizes of their own (TorchRec's variable batch per feature: {strides}) "
+                         f"are not supported; expected every feature to have the batch's samples")
     batch_size = kjt.stride()
     lengths = kjt.lengths().cpu()
     if lengths.numel() != len(keys) * batch_size:

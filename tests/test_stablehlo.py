@@ -222,6 +222,17 @@ def test_the_dlrm_dcn_forward_exports_with_the_lookup_as_a_custom_call():
     assert torch.equal(arguments[named[3]], coo.sample_ids)
 
 
+def test_a_raw_kjt_is_refused_with_what_to_export_instead():
+    """Before, export traced the host preprocessing and failed on a data-dependent check."""
+    from tests.models.test_dlrm import batch, build_pair, make_data
+
+    source = make_data(multi_hot=True)
+    _, model = build_pair("dcn", source, optimizer=None, weighted=True)
+    dense, kjt, _ = batch(source, weighted=True)
+    with pytest.raises(sparsecore.InputError, match=r"takes its batch preprocessed \(module.preprocess\(kjt\)\)"):
+        export_program(model, (dense.to("tpu"), kjt))
+
+
 def test_the_dlrm_dcn_graph_without_the_lookup_runs_on_xla_as_in_eager():
     model, dense, batch = dlrm_dcn()
 

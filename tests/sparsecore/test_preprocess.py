@@ -143,6 +143,16 @@ def test_missing_feature_and_float_ids_are_refused():
         preprocess_stacks(negative, stacks)
 
 
+def test_a_batch_size_per_feature_is_refused_by_name():
+    """TorchRec's variable batch per feature (VBE): before, the error spoke of a count of lengths."""
+    stacks = plan_stacks([as_sparsecore_config(EmbeddingBagConfig(name="t", num_embeddings=4, embedding_dim=4,
+                                                                  feature_names=["a", "b"]))], 2)
+    vbe = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 1]),
+                            stride_per_key_per_rank=[[2], [1]])
+    with pytest.raises(InputError, match=r"batch sizes of their own .*\{'a': 2, 'b': 1\}"):
+        preprocess_stacks(vbe, stacks)
+
+
 def test_empty_batch_and_empty_bags():
     stacks = one_table()
     batch = preprocess_stacks(kjt({"f": [[], [], []]}), stacks).stacks[stacks[0].name]
