@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
+from sparsecore.distributed.input_dist import jagged_dict, select
 from sparsecore.distributed.layout import Route
 from sparsecore.distributed.output_dist import ByteCounter
 from sparsecore.distributed.plan import ShardingPlan
@@ -46,6 +47,14 @@ def _exchange(flat: torch.Tensor, send: list[int], recv: list[int], group, count
     return out
 
 
+def _kjt_of(own: dict[str, tuple[torch.Tensor, torch.Tensor]], stride: int) -> KeyedJaggedTensor:
+    """The KJT of per-feature (ids, lengths), with the batch's stride given, not inferred
+    (``from_jt_dict`` infers it from the lengths, which a batch of no samples has none of)."""
+    empty = [torch.zeros(0, dtype=torch.int64)]  # a batch of no features: an error about them, not cat's
+    return KeyedJaggedTensor(keys=list(own), values=torch.cat([v for v, _ in own.values()] or empty),
+                             lengths=torch.cat([l for _, l in own.values()] or empty), stride=stride)
+
+
 class ShardedSparseCoreEmbeddingCollection(ShardedSparseCoreCollection):
     """``forward(local KJT) -> dict[str, JaggedTensor]``, the unsharded module's contract for
     the rank's own samples (see the module docstring)."""
@@ -71,22 +80,33 @@ class ShardedSparseCoreEmbeddingCollection(ShardedSparseCoreCollection):
         return {"input": self._input_dist.bytes_sent, "output": self._sent.bytes_sent}
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
-        own = {f: (jt.values().cpu().long(), jt.lengths().cpu().long()) for f, jt in features.to_dict().items()}
-        own = {f: _truncate(v, l, self._max_seq_len[f]) if f in self._max_seq_len else (v, l)
-               for f, (v, l) in own.items()}
-        truncated = KeyedJaggedTensor.from_jt_dict({f: JaggedTensor(values=v, lengths=l) for f, (v, l) in own.items()})
+        """A rank may have no samples (stride 0): it gets a JaggedTensor of no rows per
+        feature, as the unsharded module does, and still takes part in the exchanges."""
+        own = self._own_ids(features)
+        truncated = _kjt_of(own, features.stride())
         local_batch, batch_sizes = self._input_dist(truncated)
         received = self._exchange_rows(local_batch, batch_sizes, own)
         out: dict[str, JaggedTensor] = {}
         if self.replicas is not None:
-            jagged = truncated.to_dict()
-            replicated = {f: jagged[f] for c in self._layout.replicated for f in c.feature_names}
-            out.update(self.replicas(KeyedJaggedTensor.from_jt_dict(replicated)))
+            out.update(self.replicas(select(truncated, {f: f for c in self._layout.replicated
+                                                        for f in c.feature_names})))
         for feature, routes in self._routes.items():
             values, lengths = own[feature]
             out[feature] = JaggedTensor(values=self._reassemble(routes, received, values),
                                         lengths=lengths.to(self._device))
         return {f: out[f] for c in self._configs for f in c.feature_names}
+
+    def _own_ids(self, features: KeyedJaggedTensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per feature, this rank's (ids, lengths) on the host, bags cut to their table's
+        max_seq_len here, before any id is routed. ``jagged_dict``: TorchRec's ``to_dict``
+        fails on a batch of no samples."""
+        own = {}
+        for feature, jagged in jagged_dict(features).items():
+            values, lengths = jagged.values().cpu().long(), jagged.lengths().cpu().long()
+            if feature in self._max_seq_len:
+                values, lengths = _truncate(values, lengths, self._max_seq_len[feature])
+            own[feature] = (values, lengths)
+        return own
 
     def _exchange_rows(self, local_batch: KeyedJaggedTensor, batch_sizes: list[int],
                        own: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[tuple[int, str], torch.Tensor]:

@@ -148,11 +148,15 @@ class ShardedSparseCoreCollection(nn.Module):
     @property
     def fused_optimizer(self) -> KeyedOptimizer | None:
         """The KeyedOptimizer of this rank's tables, shards and replicas alike: their state, and
-        param groups whose learning rate (e.g. set by an LR scheduler) drives them all."""
+        param groups whose learning rate (e.g. set by an LR scheduler) drives them all. None
+        only for a module without an optimizer. A rank holding no table gets an empty one (no
+        state, no param groups; as TorchRec's sharded modules give it): training code drives
+        the optimizer on every rank (LR schedulers, state_dict, zero_grad, step)."""
+        if self._optimizer is None:
+            return None
         if self._combined_optimizer is None:
-            optimizers = [e.fused_optimizer for e in self._engines() if e._optimizer is not None]
-            if optimizers:
-                self._combined_optimizer = optimizers[0] if len(optimizers) == 1 else CombinedOptimizer(optimizers)
+            optimizers = [e.fused_optimizer for e in self._engines()]
+            self._combined_optimizer = optimizers[0] if len(optimizers) == 1 else CombinedOptimizer(optimizers)
         return self._combined_optimizer
 
     def observed_limits(self) -> dict[str, dict[str, int]]:

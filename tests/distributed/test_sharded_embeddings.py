@@ -463,3 +463,64 @@ def test_data_parallel_replicas_of_a_meta_module_agree_across_ranks():
         assert_close(first[when][0], second[when][0], rtol=0, atol=0, msg=lambda m: f"{when} weight: {m}")
         for name, value in first[when][1].items():
             assert_close(value, second[when][1][name], rtol=0, atol=0, msg=lambda m: f"{when} {name}: {m}")
+
+
+def all_on_rank_0() -> ShardingPlan:
+    """Every table whole on rank 0: rank 1 holds no shard and no replica."""
+    return ShardingPlan(world_size=2, tables={
+        t.name: TableSharding(sharding_type="table_wise", ranks=(0,)) for t in tables()})
+
+
+def shard_tuples(module) -> list[tuple]:
+    """The module's local shards as (table, rows, columns, weight, state) on the CPU."""
+    return [(s.table, s.rows, s.columns, s.weight.cpu(), {k: v.cpu() for k, v in s.state.items()})
+            for s in module.local_shards()]
+
+
+def train_with_a_scheduler(rank: int, world: int, plan_json: str, optimizer) -> dict:
+    """What TorchRec-style training code does on every rank with ``fused_optimizer``: an LR
+    scheduler over it, step and zero_grad after each backward, and a state_dict round trip
+    into a fresh module."""
+    plan = ShardingPlan.from_json(plan_json)
+    module = shard(make_module(optimizer, "tpu"), plan)
+    fused = module.fused_optimizer
+    scheduler = torch.optim.lr_scheduler.StepLR(fused, step_size=1, gamma=0.5)
+    outputs, lrs = [], []
+    for step in range(STEPS):
+        out = module(kjt_of([local_batch(rank, step)]))
+        outputs.append(out.values().detach().cpu())
+        out.values().backward(output_grad(rank, step, out.values().shape[1]).to("tpu"))
+        fused.step()
+        fused.zero_grad()
+        scheduler.step()
+        lrs.append([group["lr"] for group in fused.param_groups])
+    restored = shard(make_module(optimizer, "tpu"), plan)
+    restored.fused_optimizer.load_state_dict(fused.state_dict())
+    return {"outputs": outputs, "lrs": lrs, "shards": shard_tuples(module), "restored": shard_tuples(restored),
+            "steps": (int(module.step_count()), int(restored.step_count()))}
+
+
+def test_a_rank_holding_no_table_gets_an_empty_fused_optimizer_that_schedulers_and_checkpoints_drive():
+    optimizer = optim.Adam(lr=0.05)
+    results = assert_all_ok(run_ranks(train_with_a_scheduler, 2, all_on_rank_0().to_json(), optimizer))
+    ref = make_module(optimizer, "cpu")
+    scheduler = torch.optim.lr_scheduler.StepLR(ref.fused_optimizer, step_size=1, gamma=0.5)
+    for step in range(STEPS):
+        out = ref(kjt_of([local_batch(r, step) for r in range(2)]))
+        for rank, result in enumerate(results):
+            start = 3 * rank
+            assert_close(result["outputs"][step], out.values().detach()[start:start + 3 + rank],
+                         msg=lambda m: f"rank {rank} step {step}: {m}")
+        out.values().backward(torch.cat([output_grad(r, step, out.values().shape[1]) for r in range(2)]))
+        ref.fused_optimizer.step()
+        scheduler.step()
+        # Rank 0's learning rate follows the unsharded module's; rank 1 has nothing to schedule.
+        assert results[0]["lrs"][step] == [group["lr"] for group in ref.fused_optimizer.param_groups]
+        assert results[1]["lrs"][step] == []
+    assert_shards_match(results[0]["shards"], ref)
+    assert results[1]["shards"] == [] and results[1]["restored"] == []
+    # The optimizer state (and step count) went through state_dict into the fresh module.
+    assert results[0]["steps"] == (STEPS, STEPS)
+    for trained, restored in zip(results[0]["shards"], results[0]["restored"], strict=True):
+        assert (trained[0], trained[2]) == (restored[0], restored[2]) and torch.equal(trained[1], restored[1])
+        assert_close(restored[4], trained[4], msg=lambda m: f"{trained[0]} restored state: {m}")

@@ -170,3 +170,60 @@ def test_sharded_sequence_training_equals_unsharded(kind, world, tmp_path):
             assert_close(fresh.table_weight(t.name), ref.table_weight(t.name))
             for name, value in ref.table_optimizer_state(t.name).items():
                 assert_close(fresh.table_optimizer_state(t.name)[name], value)
+
+
+def no_samples() -> KeyedJaggedTensor:
+    """A batch of zero samples (stride 0) of every feature."""
+    return KeyedJaggedTensor(keys=FEATURES, values=torch.zeros(0, dtype=torch.int64),
+                             lengths=torch.zeros(0, dtype=torch.int64), stride=0)
+
+
+def empty_batch_plan() -> ShardingPlan:
+    """Every way a feature's rows come back: row shards on both ranks, a table-wise table on
+    the rank with no samples, a replica, column pieces on both ranks."""
+    return ShardingPlan(world_size=2, tables={
+        "big": TableSharding(sharding_type="row_wise", ranks=(0, 1)),
+        "shared": TableSharding(sharding_type="table_wise", ranks=(0,)),
+        "tiny": TableSharding(sharding_type="data_parallel", ranks=(0, 1)),
+        "wide": TableSharding(sharding_type="column_wise", ranks=(1, 0), column_widths=(8, 8)),
+    })
+
+
+def train_with_an_empty_rank(rank: int, world: int, plan_json: str, optimizer) -> dict:
+    """Rank 0 has no samples at any step; rank 1 its usual ones."""
+    module = shard(make_module(optimizer, "tpu"), ShardingPlan.from_json(plan_json))
+    outputs = []
+    for step in range(STEPS):
+        out = module(no_samples() if rank == 0 else kjt_of([local_batch(rank, step)]))
+        assert list(out) == FEATURES
+        outputs.append({f: (jt.values().detach().cpu(), jt.lengths().cpu()) for f, jt in out.items()})
+        loss = sum((jt.values() * row_grad(rank, step, f, jt.values().shape[0], dims()[f]).to("tpu")).sum()
+                   for f, jt in out.items())
+        loss.backward()
+    shards = [(s.table, s.rows, s.columns, s.weight.cpu(), {k: v.cpu() for k, v in s.state.items()})
+              for s in module.local_shards()]
+    return {"outputs": outputs, "shards": shards}
+
+
+def test_a_rank_with_no_samples_gets_empty_sequences_and_training_goes_on():
+    optimizer = optim.Adam(lr=0.05)
+    plan = empty_batch_plan()
+    plan.validate(tables())
+    results = assert_all_ok(run_ranks(train_with_an_empty_rank, 2, plan.to_json(), optimizer))
+    ref = make_module(optimizer, "cpu")
+    empty = ref(no_samples())  # the unsharded module's contract: no rows, no lengths, per feature
+    for step in range(STEPS):
+        for f in FEATURES:
+            values, lengths = results[0]["outputs"][step][f]
+            assert values.shape == empty[f].values().shape and values.dtype == empty[f].values().dtype, f
+            assert torch.equal(lengths, empty[f].lengths()), f
+        # The global batch is rank 1's samples: the reference's rows and gradients are its.
+        out = ref(kjt_of([local_batch(1, step)]))
+        for f, jt in out.items():
+            values, lengths = results[1]["outputs"][step][f]
+            assert_close(values, jt.values().detach(), msg=lambda m: f"step {step} {f}: {m}")
+            assert torch.equal(lengths, jt.lengths()), f"step {step} {f}"
+        sum((jt.values() * row_grad(1, step, f, jt.values().shape[0], dims()[f])).sum()
+            for f, jt in out.items()).backward()
+    for result in results:
+        assert_shards_match(result["shards"], ref)
