@@ -10,8 +10,10 @@ the backward; the dense arch trains with a torch.optim optimizer on the
 TensorCore; ``sparsecore.TrainPipeline`` overlaps the two exactly (``--pipeline
 none``: the plain loop, same numbers). Progress goes to a tqdm bar; validation metrics (AUC, log loss)
 and throughput are appended to ``metrics.jsonl``; checkpoints are atomic and
-resuming continues the exact run (same batches, same updates). Ctrl-C
-finishes the current step, writes a checkpoint and exits.
+resuming continues the exact run (same batches, same updates); resuming a
+checkpoint that already holds the run's last step trains nothing and reports
+the final validation of the restored model. Ctrl-C finishes the current step,
+writes a checkpoint and exits.
 """
 
 from __future__ import annotations
@@ -441,19 +443,33 @@ class Trainer:
             # Any world size and plan: the tables are saved as plan-independent row blocks.
             meta = checkpoint.sharded_meta(self.checkpoint_path)
             self._check_config(meta["config"])
+            step = self._resumable_step(meta["step"])  # before loading: a refused checkpoint loads nothing
             state = distributed.checkpoint_state(self.model, self.dense_opt)
             checkpoint.load_sharded(self.checkpoint_path, state)
             distributed.load_checkpoint_state(self.model, self.dense_opt, state)
-            self.step = int(meta["step"])
+            self.step = step
             logger.info("resumed from %s at step %d", self.checkpoint_path, self.step)
             return
         payload = checkpoint.load(self.checkpoint_path)
         self._check_config(payload["config"])
+        step = self._resumable_step(payload["step"])  # before loading: a refused checkpoint loads nothing
         self.model.load_state_dict(payload["model"])
         self.ebc.fused_optimizer.load_state_dict(payload["embedding_optimizer"])
         self.dense_opt.load_state_dict(payload["dense_optimizer"])
-        self.step = int(payload["step"])
+        self.step = step
         logger.info("resumed from %s at step %d", self.checkpoint_path, self.step)
+
+    def _resumable_step(self, saved: Any) -> int:
+        """The checkpoint's step, refused when it is past this run's last step: no step can be
+        untrained, so the restored model is not this run's (and its validation would be reported
+        as the shorter run's)."""
+        step = int(saved)
+        if step > self.total_steps:
+            raise checkpoint.CheckpointError(
+                f"{self.checkpoint_path} holds step {step}, past this run's last step {self.total_steps} "
+                f"(--steps / --epochs); resume with --steps {step} or more to continue it, or use another "
+                "--checkpoint-dir")
+        return step
 
     # ---- metrics ----
 
@@ -494,6 +510,26 @@ class Trainer:
             torch.tpu.mark_step()  # a step's end (the pipeline marks its own)
         return distributed.global_sum(loss.detach()).item()
 
+    def _validate_and_record(self, train_loss: float | None, samples_per_s: float | None, bar: tqdm) -> dict[str, Any]:
+        """Validates the model at the current step; appends the entry to the metrics file and the
+        log and returns it. ``train_loss`` and ``samples_per_s`` cover the steps since the last
+        validation (None: this process trained none)."""
+        metrics = self.validate()
+        entry = {"step": self.step, "train_loss": train_loss, "samples_per_s": samples_per_s,
+                 "val_auc": metrics["auc"], "val_log_loss": metrics["log_loss"]}
+        self._record(entry)
+        if self.rank == 0:
+            trained = "" if train_loss is None else f"train loss {train_loss:.4f}, "
+            bar.write(f"step {self.step}: {trained}val AUC {format_auc(metrics['auc'])}, "
+                      f"val log loss {metrics['log_loss']:.4f}")
+        return entry
+
+    def _resumed_complete(self, start: int) -> bool:
+        """Whether this is a resume whose checkpoint already held the last step (so the loop, which
+        validates after its last step, ran none). A fresh ``--steps 0`` run is not one: it asked for
+        no training, and gets none and no validation."""
+        return self.cfg.resume and start == self.step == self.total_steps
+
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
         if self.device.type == "tpu":
@@ -509,6 +545,7 @@ class Trainer:
             with precision, _Interrupt() as stop:
                 self.model.train()
                 batches = self._batches()
+                start = self.step
                 while self.step < self.total_steps:
                     started = time.perf_counter()
                     loss = self.train_step(batches)
@@ -524,20 +561,19 @@ class Trainer:
                     if last or (self.checkpoint_path and self.step % cfg.checkpoint_interval == 0):
                         self._save()
                     if (cfg.eval_interval and self.step % cfg.eval_interval == 0) or last:
-                        metrics = self.validate()
-                        entry = {"step": self.step, "train_loss": window_loss / window_steps,
-                                 "samples_per_s": samples / train_time, "val_auc": metrics["auc"],
-                                 "val_log_loss": metrics["log_loss"]}
-                        self._record(entry)
-                        summary.update(entry)
+                        summary.update(self._validate_and_record(window_loss / window_steps, samples / train_time, bar))
                         window_loss, window_steps = 0.0, 0
-                        if self.rank == 0:
-                            bar.write(f"step {self.step}: train loss {entry['train_loss']:.4f}, "
-                                      f"val AUC {format_auc(metrics['auc'])}, val log loss {metrics['log_loss']:.4f}")
                     if stop.requested:
                         self._save()
                         interrupted = True
                         break
+                if self._resumed_complete(start):
+                    # The checkpoint already holds the run's last step: nothing to train, and it is
+                    # saved as it is (rewriting it would only cost a write), but the run still ends
+                    # with its final validation, of the restored model, as an uninterrupted run does.
+                    logger.info("%s already holds all %d steps: validating the restored model, no training",
+                                self.checkpoint_path, self.total_steps)
+                    summary.update(self._validate_and_record(None, None, bar))
         finally:
             # Also when a step or a validation raises: the pipeline's reader thread must not
             # outlive the run.
