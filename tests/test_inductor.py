@@ -427,6 +427,22 @@ def test_shape_specializations_are_bounded(monkeypatch):
     assert specializations and max(len(s.compiled) for s in specializations) == 3
 
 
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_new_sizes_of_a_function_of_tensor_methods_compile_per_shape(dynamic):
+    """Dynamo's graph calls tensor methods (``x.norm``) as call_method nodes: their symbolic
+    sizes reach compiled code as much as a function's do (they were taken for ops run as
+    they are, and the compile failed on symbolic sizes)."""
+    torch._dynamo.reset()
+
+    def normalize(x):
+        return x.div(x.norm(dim=1, keepdim=True)).softmax(-1)
+
+    compiled = torch.compile(normalize, backend="tpu", dynamic=dynamic)
+    for batch in (2, 3, 5):
+        x = torch.randn(batch, 8)
+        torch.testing.assert_close(compiled(x.to("tpu")).cpu(), normalize(x))
+
+
 def test_compiled_dropout_repeats_its_mask_under_a_seed():
     # A graph drawing random numbers is not alternated between compiled and op by op
     # (two random streams) while the runner times them.

@@ -114,10 +114,12 @@ def _symbolic_sizes_reach_compiled_ops(gm: torch.fx.GraphModule) -> bool:
     def value(node: torch.fx.Node) -> Any:
         return node.meta.get("example_value", node.meta.get("val"))
 
-    return any(
-        inductor.compilable(node) and any(_is_symbolic(value(n)) for n in (node, *node.all_input_nodes))
-        for node in gm.graph.nodes if node.op == "call_function"
-    )
+    def compiled(node: torch.fx.Node) -> bool:
+        # Dynamo's graph calls tensor methods (x.sum()) and modules too: all compiled.
+        return node.op in ("call_method", "call_module") or (node.op == "call_function" and inductor.compilable(node))
+
+    return any(compiled(node) and any(_is_symbolic(value(n)) for n in (node, *node.all_input_nodes))
+               for node in gm.graph.nodes)
 
 
 def tpu_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
