@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import torch
 
 from torch_tpu import eager
+from torch_tpu.graph_breaks import outside_compiled_graphs
 
 _MODES = {"highest": 0, "high": 1, "medium": 2}
 _NAMES = {v: k for k, v in _MODES.items()}
@@ -27,6 +28,13 @@ _COST = {"high": "about 3x", "highest": "about 6x on a TPU"}
 _warned: set[str] = set()
 
 
+def _runs_outside_graphs(api: str):
+    # The precision is process state compiled matmuls read when they run. Traced, the setter
+    # became a graph op with no outputs, which AOTAutograd drops: set on the first call only.
+    return outside_compiled_graphs(f"torch.tpu.{api}", "matmul precision")
+
+
+@_runs_outside_graphs("set_float32_matmul_precision")
 def set_float32_matmul_precision(precision: str) -> None:
     if precision not in _MODES:
         raise ValueError(f"tpu matmul precision must be one of {sorted(_MODES)}, got {precision!r}")
@@ -41,21 +49,33 @@ def set_float32_matmul_precision(precision: str) -> None:
     _set(_MODES[precision])
 
 
+@_runs_outside_graphs("precision")
 def _set(mode: int) -> None:
     # Ops DeferAndFuse has recorded run at the precision they were issued at.
     eager.materialize_deferred("matmul precision change")
     torch.ops.torch_tpu._set_matmul_precision(mode)
 
 
+@_runs_outside_graphs("get_float32_matmul_precision")
 def get_float32_matmul_precision() -> str:
     return _NAMES[torch.ops.torch_tpu._get_matmul_precision()]
 
 
-@contextlib.contextmanager
-def precision(precision: str) -> Iterator[None]:
-    """Sets the tpu matmul precision inside a ``with`` block."""
+@_runs_outside_graphs("precision")
+def _enter(precision: str) -> str:
     previous = get_float32_matmul_precision()
     set_float32_matmul_precision(precision)
+    return previous
+
+
+@contextlib.contextmanager
+def precision(precision: str) -> Iterator[None]:
+    """Sets the tpu matmul precision inside a ``with`` block.
+
+    In a compiled function it is set and restored in Python, so Dynamo runs that
+    function's frame uncompiled (it cannot resume inside a ``with`` of its own);
+    the functions it calls are still compiled."""
+    previous = _enter(precision)
     try:
         yield
     finally:
