@@ -123,6 +123,14 @@ OPS = {
     "comparisons and where": (lambda x, y: torch.where(x > y, x, y * 2) + (x <= 0.5).float()
                               + torch.clamp(x, -0.5, 0.5) + torch.logical_and(x > 0, y < 0).to(torch.float32),
                               randn(4, 5), randn(5)),
+    # rounding is the identity on integers (StableHLO's floor/ceil/round are float-only), and
+    # abs and sign of unsigned values need no sign (StableHLO's are signed-only)
+    "integer rounding, abs and sign": (lambda i, u, b: (i.floor(), i.ceil(), i.round(), u.floor() + u.ceil(),
+                                                       u.round(), u.abs(), u.sign(), i.abs(), i.sign(), b.sign()),
+                                       torch.tensor([3, -2, 0, -7]), torch.tensor([0, 5, 255], dtype=torch.uint8),
+                                       torch.tensor([True, False])),
+    "trunc and frac": (lambda x: (torch.trunc(x), torch.frac(x), torch.trunc(x.to(torch.int32))),
+                       torch.tensor([-2.5, -0.5, 0.0, 0.5, 1.5, 7.25, -7.75, 123456.75])),
     "integer comparisons": (lambda i: ((i >= 3) | (i == 0)).to(torch.int64) * i - i.max(), randint(7, 10)),
     # reductions
     "reductions": (lambda x: (x.sum(1, keepdim=True) + x.mean(0) + x.amax(1, keepdim=True) - x.amin(),
@@ -181,6 +189,58 @@ def test_unsupported_ops_are_listed():
         export_program(fn, (randn(3, 3),))
     assert error.value.ops == {"aten::cumsum.default": 2, "aten::sort.default": 1}
     assert "cumsum" in str(error.value) and "sort" in str(error.value)
+
+
+@pytest.mark.parametrize("fn, args, refused", [
+    # a transposed convolution: its lowering refuses it, once the graph is lowered
+    (lambda x, w: nn.functional.conv_transpose1d(x, w).cumsum(0), (randn(1, 2, 5), randn(2, 3, 3)),
+     {"aten::convolution.default": "transposed convolution"}),
+    # index tensors on non-consecutive dims, a boolean mask
+    (lambda x, i, j: x[i, :, j].cumsum(0) * 2, (randn(3, 4, 5), torch.tensor([0, 2]), torch.tensor([1, 4])),
+     {"aten::index.Tensor": "non-consecutive"}),
+    (lambda x: x.index_put((x > 0,), torch.tensor(0.0)).cumsum(0), (randn(4),),
+     {"aten::index_put.default": "boolean mask"}),
+])
+def test_ops_whose_lowering_refuses_their_arguments_are_listed_with_the_others(fn, args, refused):
+    """Before, these were refused while lowering, after the check for ops without a lowering:
+    the first error named only cumsum, and the next only showed once cumsum was gone."""
+    with pytest.raises(UnsupportedOpsError) as error:
+        export_program(fn, args)
+    (op, reason), = refused.items()
+    assert error.value.ops == {op: 1, "aten::cumsum.default": 1}
+    assert reason in error.value.reasons[op] and reason in str(error.value) and "cumsum" in str(error.value)
+
+
+def test_training_batch_norm_runs_on_xla_with_its_new_running_statistics_among_the_results():
+    """A training-mode BatchNorm: the output normalized by the batch's statistics, and the
+    running mean and variance (momentum, the unbiased variance) and batch count it updates,
+    all as eager computes them. Before, its op had no lowering."""
+    import copy
+
+    torch.manual_seed(0)
+    for module, x in [(nn.BatchNorm1d(3), randn(6, 3)),
+                      (nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=0.3), nn.ReLU()),
+                       randn(2, 3, 6, 6)),
+                      (nn.BatchNorm1d(4, affine=False).double(), randn(3, 4, 5).double()),
+                      (nn.BatchNorm2d(3, track_running_stats=False), randn(2, 3, 4, 4))]:
+        module.train()
+        with torch.no_grad():
+            for name, buffer in module.named_buffers():
+                if name.endswith("running_mean"):
+                    buffer.uniform_(-1, 1)
+                elif name.endswith("running_var"):
+                    buffer.uniform_(0.5, 2)
+        eager = copy.deepcopy(module)
+        with torch.tpu.precision("highest"):
+            program = export_program(module, (x,))
+            with torch.no_grad():
+                expected = {"output 0": eager(x)}
+        expected.update({f"buffer_mutation {name}": b for name, b in eager.named_buffers()})
+        assert sorted(program.result_names) == sorted(expected)
+        parse(program.text)
+        for name, actual in zip(program.result_names, run_on_xla(program.text, program.arguments(x))):
+            assert actual.dtype == expected[name].dtype, name
+            torch.testing.assert_close(actual, expected[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
 def test_symbolic_shapes_are_refused():

@@ -69,8 +69,9 @@ def export_stablehlo(module_or_fn: torch.nn.Module | Callable[..., Any], example
 
 def export_program(module_or_fn: torch.nn.Module | Callable[..., Any], example_args: Sequence[Any],
                    example_kwargs: dict[str, Any] | None = None) -> StableHLOProgram:
-    """Captures and lowers the forward. Raises UnsupportedOpsError listing every op of the
-    captured graph that has no lowering (before emitting anything)."""
+    """Captures and lowers the forward. Raises one UnsupportedOpsError listing every op of the
+    captured graph that cannot be lowered: ops without a lowering, and ops whose lowering
+    refuses their arguments (a transposed convolution, say)."""
     program = capture(module_or_fn, tuple(example_args), example_kwargs or {})
     name = type(module_or_fn).__name__ if isinstance(module_or_fn, torch.nn.Module) else \
         getattr(module_or_fn, "__name__", "function")
@@ -109,23 +110,45 @@ def _input_name(path: tuple) -> str:
 
 
 def lower(program: ExportedProgram, args: tuple, kwargs: dict, name: str = "main") -> StableHLOProgram:
-    """The ExportedProgram (captured from ``args``/``kwargs``) as a StableHLO module named ``name``."""
+    """The ExportedProgram (captured from ``args``/``kwargs``) as a StableHLO module named ``name``.
+
+    Raises one UnsupportedOpsError for every op that cannot be lowered: those without a lowering
+    and those whose lowering refuses its arguments (it raises UnsupportedOpsError). Those only show
+    when lowering, so the whole graph is lowered before raising, each refused node's result
+    standing in by its recorded type for the nodes that use it."""
     graph = program.graph_module.graph
-    missing = collections.Counter(op_name(n.target) for n in graph.nodes
-                                  if n.op == "call_function" and lowering_for(n.target) is None)
-    if missing:
-        raise UnsupportedOpsError(dict(missing))
     env, arguments = _arguments(program, args, kwargs)
     builder, precision = Builder(), get_float32_matmul_precision()
+    refused: collections.Counter[str] = collections.Counter()
+    reasons: dict[str, list[str]] = {}
     results: list[Value] = []
     result_names: tuple[str, ...] = ()
     for node in graph.nodes:
         if node.op == "call_function":
-            env[node] = _lower_node(builder, node, env, precision)
+            if lowering_for(node.target) is None:
+                refused[op_name(node.target)] += 1
+                env[node] = _stand_in(node)
+                continue
+            try:
+                env[node] = _lower_node(builder, node, env, precision)
+            except UnsupportedOpsError as error:
+                refused.update(error.ops)
+                for op, reason in error.reasons.items():
+                    if reason not in reasons.setdefault(op, []):
+                        reasons[op].append(reason)
+                env[node] = _stand_in(node)
+            except Exception:
+                if not refused:
+                    raise
+                # After a refusal this may only be a stand-in's consequence: the refusals are
+                # what to report (a real error here shows once they are lowered).
+                env[node] = _stand_in(node)
         elif node.op == "output":
             leaves = pytree.tree_leaves(node.args[0])
             results = [env[n] for n in leaves if isinstance(n, torch.fx.Node)]
             result_names = _result_names(program, leaves)
+    if refused:
+        raise UnsupportedOpsError(dict(refused), reasons={op: "; ".join(r) for op, r in reasons.items()})
     signature = ", ".join(f"{value.name}: {value.type}" for value in arguments.values())
     result_types = ", ".join(str(r.type) for r in results)
     text = (f"module @\"{name}\" {{\n  func.func public @main({signature}) -> ({result_types}) {{\n"
@@ -133,6 +156,18 @@ def lower(program: ExportedProgram, args: tuple, kwargs: dict, name: str = "main
             + f"\n    return {', '.join(r.name for r in results)} : {result_types}\n  }}\n}}\n")
     state = {**program.state_dict, **program.constants}
     return StableHLOProgram(text, tuple(arguments), {k: v for k, v in state.items() if k in arguments}, result_names)
+
+
+def _stand_in(node: torch.fx.Node) -> Any:
+    """A node's result as its recorded type (for a node that was not lowered): Values, lists of
+    them, or the recorded Python value."""
+    def of(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return Value(f"%{node.name}", _tensor_type(value, node))
+        if isinstance(value, (list, tuple)):
+            return [of(v) for v in value]
+        return value
+    return of(node.meta.get("val"))
 
 
 def _result_names(program: ExportedProgram, leaves: list) -> tuple[str, ...]:

@@ -3,7 +3,7 @@
 The captured graph is core ATen after decomposition (``torch_tpu.stablehlo.export``),
 so this table covers the primitives: elementwise math with torch's implicit
 broadcasting and type promotion made explicit, matmuls as ``dot_general`` with
-the tpu's precision, reductions, shape ops, convolution, gather and scatter.
+the tpu's precision, reductions, shape ops, convolution, batch norm, gather and scatter.
 """
 
 from __future__ import annotations
@@ -70,11 +70,11 @@ _UNARY = {
     aten.neg: "stablehlo.negate", aten.exp: "stablehlo.exponential", aten.log: "stablehlo.log",
     aten.log1p: "stablehlo.log_plus_one", aten.expm1: "stablehlo.exponential_minus_one",
     aten.tanh: "stablehlo.tanh", aten.sqrt: "stablehlo.sqrt", aten.rsqrt: "stablehlo.rsqrt",
-    aten.abs: "stablehlo.abs", aten.sigmoid: "stablehlo.logistic", aten.sin: "stablehlo.sine",
-    aten.cos: "stablehlo.cosine", aten.floor: "stablehlo.floor", aten.ceil: "stablehlo.ceil",
-    aten.sign: "stablehlo.sign", aten.round: "stablehlo.round_nearest_even", aten.erf: "chlo.erf",
-    aten.bitwise_not: "stablehlo.not",
+    aten.sigmoid: "stablehlo.logistic", aten.sin: "stablehlo.sine", aten.cos: "stablehlo.cosine",
+    aten.erf: "chlo.erf", aten.bitwise_not: "stablehlo.not",
 }
+# On integers (and bool) torch's rounding is the identity, while StableHLO's is float-only.
+_ROUNDING = {aten.floor: "stablehlo.floor", aten.ceil: "stablehlo.ceil", aten.round: "stablehlo.round_nearest_even"}
 
 
 def _unary(name: str):
@@ -83,8 +83,50 @@ def _unary(name: str):
     return lower
 
 
+def _rounding(name: str):
+    def lower(cx: LoweringContext, x: Value) -> Value:
+        b, out = cx.builder, cx.out_type
+        x = b.convert(x, out.dtype)
+        return b.op(name, [x], out) if out.dtype.is_floating_point else x
+    return lower
+
+
 for _op, _name in _UNARY.items():
     register_lowering(_op.default)(_unary(_name))
+for _op, _name in _ROUNDING.items():
+    register_lowering(_op.default)(_rounding(_name))
+
+
+@register_lowering(aten.trunc.default)
+def _trunc(cx: LoweringContext, x: Value) -> Value:
+    """Towards zero: ceil below zero, floor elsewhere (NaN and -0.0 kept); integers unchanged."""
+    b, out = cx.builder, cx.out_type
+    x = b.convert(x, out.dtype)
+    if not out.dtype.is_floating_point:
+        return x
+    negative = compare(b, "LT", x, b.constant(0, x.dtype, x.shape))
+    return b.op("stablehlo.select", [negative, b.op("stablehlo.ceil", [x], out), b.op("stablehlo.floor", [x], out)],
+                out)
+
+
+def _unsigned(dtype: torch.dtype) -> bool:
+    return dtype in (torch.bool, torch.uint8)
+
+
+@register_lowering(aten.abs.default)
+def _abs(cx: LoweringContext, x: Value) -> Value:
+    b, out = cx.builder, cx.out_type
+    x = b.convert(x, out.dtype)
+    return x if _unsigned(out.dtype) else b.op("stablehlo.abs", [x], out)  # StableHLO's is signed-only
+
+
+@register_lowering(aten.sign.default)
+def _sign(cx: LoweringContext, x: Value) -> Value:
+    b, out = cx.builder, cx.out_type
+    x = b.convert(x, out.dtype)
+    if _unsigned(out.dtype):  # StableHLO's is signed-only; unsigned: 0 or 1
+        return b.convert(truth(b, x), out.dtype)
+    return b.op("stablehlo.sign", [x], out)
 
 
 @register_lowering(aten.logical_not.default)
@@ -474,6 +516,66 @@ def _batch_norm_inference(cx: LoweringContext, x: Value, weight, bias, running_m
     return [out, b.constant(0, x.dtype, (0,)), b.constant(0, x.dtype, (0,))]
 
 
+def _per_channel(b: Builder, v: Value, like: Value) -> Value:
+    """A (C,) vector along dim 1 of ``like``'s shape, in its dtype."""
+    return b.broadcast_in_dim(b.convert(v, like.dtype), like.shape, [1])
+
+
+def _channel_result(b: Builder, v: Value, out: TensorType) -> Value:
+    """A (C,) statistic as the result type recorded (the empty tensor eager gives some)."""
+    if out.numel == 0:
+        return b.constant(0, out.dtype, out.shape)
+    return b.convert(b.reshape(v, out.shape), out.dtype)
+
+
+@register_lowering(aten._native_batch_norm_legit_functional.default)
+def _batch_norm(cx: LoweringContext, x: Value, weight, bias, running_mean: Value | None, running_var: Value | None,
+                training: bool, momentum: float, eps: float) -> list[Value]:
+    """Batch norm as ATen computes it: in training, the batch's mean and biased variance over
+    every dim but the channels (dim 1) normalize, and the running statistics become
+    ``momentum * batch + (1 - momentum) * running`` with the batch's unbiased variance; results
+    (output, saved mean, saved inverse deviation[, new running mean, new running var]).
+    Half-precision inputs are computed in float32, as ATen does."""
+    b, outs = cx.builder, cx.out
+    compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    xc = b.convert(x, compute)
+    channels = TensorType((x.shape[1],), compute)
+    if training:
+        dims = [0, *range(2, x.type.rank)]
+        count = x.type.numel // x.shape[1]
+        centre = mean(b, xc, dims, keepdim=False)
+        deviation = b.op("stablehlo.subtract", [xc, _per_channel(b, centre, xc)], xc.type)
+        squares = reduce(b, b.op("stablehlo.multiply", [deviation, deviation], xc.type), dims, "stablehlo.add", 0)
+        variance = b.op("stablehlo.divide", [squares, b.constant(count, compute, channels.shape)], channels)
+    else:
+        centre, variance = b.convert(running_mean, compute), b.convert(running_var, compute)
+        deviation = b.op("stablehlo.subtract", [xc, _per_channel(b, centre, xc)], xc.type)
+    rstd = b.op("stablehlo.rsqrt", [b.op("stablehlo.add", [variance, b.constant(eps, compute, channels.shape)],
+                                         channels)], channels)
+    output = b.op("stablehlo.multiply", [deviation, _per_channel(b, rstd, xc)], xc.type)
+    if weight is not None:
+        output = b.op("stablehlo.multiply", [output, _per_channel(b, weight, xc)], xc.type)
+    if bias is not None:
+        output = b.op("stablehlo.add", [output, _per_channel(b, bias, xc)], xc.type)
+    results = [b.convert(output, outs[0].dtype), _channel_result(b, centre, outs[1]), _channel_result(b, rstd, outs[2])]
+    if len(outs) == 3:
+        return results
+    new_mean, new_var = running_mean, running_var
+    if training:
+        unbiased = b.op("stablehlo.divide", [squares, b.constant(count - 1, compute, channels.shape)], channels)
+
+        def updated(batch: Value, running: Value) -> Value:
+            return b.op("stablehlo.add", [_scaled(b, batch, momentum),
+                                          _scaled(b, b.convert(running, compute), 1 - momentum)], channels)
+        new_mean, new_var = updated(centre, running_mean), updated(unbiased, running_var)
+    return results + [_channel_result(b, new_mean, outs[3]), _channel_result(b, new_var, outs[4])]
+
+
+register_lowering(aten._native_batch_norm_legit.no_stats)(
+    lambda cx, x, weight, bias, training, momentum, eps: _batch_norm(cx, x, weight, bias, None, None, training,
+                                                                     momentum, eps))
+
+
 # -- gather and scatter -------------------------------------------------------------------------
 
 def _wrapped(b: Builder, index: Value, size: int) -> Value:
@@ -519,8 +621,10 @@ def gather_along(b: Builder, x: Value, indices: Sequence[Value], first: int, out
 def _index_block(indices: Sequence[Value | None], op: str) -> tuple[int, list[Value]]:
     """The first indexed dim and the index tensors of an advanced index (``x[:, i, j]``)."""
     present = [k for k, v in enumerate(indices) if v is not None]
-    if present != list(range(present[0], present[-1] + 1)) or any(indices[k].dtype == torch.bool for k in present):
-        raise UnsupportedOpsError({op: 1}, "only consecutive integer index tensors")
+    if any(indices[k].dtype == torch.bool for k in present):
+        raise UnsupportedOpsError({op: 1}, "boolean mask indices")
+    if present != list(range(present[0], present[-1] + 1)):
+        raise UnsupportedOpsError({op: 1}, "index tensors on non-consecutive dims")
     return present[0], [indices[k] for k in present]
 
 

@@ -19,14 +19,20 @@ _LOWERINGS: dict[str, Callable[..., Any]] = {}
 
 
 class UnsupportedOpsError(NotImplementedError):
-    """The captured graph has ops without a StableHLO lowering."""
+    """The captured graph has ops that cannot be lowered to StableHLO: ops without a lowering,
+    and ops whose lowering refuses the arguments it got (a transposed convolution, say).
+    ``ops`` counts them by name; ``reasons`` says, where known, why a lowering refused."""
 
-    def __init__(self, ops: dict[str, int], detail: str = "") -> None:
+    def __init__(self, ops: dict[str, int], detail: str = "", *, reasons: dict[str, str] | None = None) -> None:
         self.ops = dict(ops)
-        listed = ", ".join(f"{name} (x{count})" for name, count in sorted(self.ops.items()))
+        self.reasons = dict(reasons or {})
+        if detail:
+            for name in self.ops:
+                self.reasons.setdefault(name, detail)
+        listed = ", ".join(f"{name} (x{count}" + (f": {self.reasons[name]}" if name in self.reasons else "") + ")"
+                           for name, count in sorted(self.ops.items()))
         super().__init__(f"StableHLO export: no lowering for {len(self.ops)} op(s): {listed}"
-                         + (f" ({detail})" if detail else "")
-                         + "; register one with torch_tpu.stablehlo.register_lowering")
+                         "; register one with torch_tpu.stablehlo.register_lowering")
 
 
 def op_name(target: Any) -> str:
@@ -45,7 +51,9 @@ def op_name(target: Any) -> str:
 def register_lowering(*ops: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: ``fn(cx: LoweringContext, *args, **kwargs)`` lowers ``ops`` (OpOverloads, packets
     for all their overloads, or names such as ``"sparsecore::lookup"``). ``args`` are the op's,
-    with tensors replaced by builder Values; ``fn`` returns the result Value (or a list)."""
+    with tensors replaced by builder Values; ``fn`` returns the result Value (or a list). A lowering
+    that cannot lower the arguments it got raises ``UnsupportedOpsError({op: 1}, reason)``: export
+    goes on through the graph and lists it in one error with every other op it cannot lower."""
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         for op in ops:
             _LOWERINGS[op_name(op)] = fn
