@@ -24,6 +24,7 @@ def is_available() -> bool:
 
 from torch_tpu.debug import get_nan_check, set_nan_check  # noqa: E402
 from torch_tpu.eager import EagerMode, eager_mode, get_eager_mode, set_eager_mode  # noqa: E402
+from torch_tpu import rnn_cells  # noqa: E402,F401 - the fused LSTM/GRU cells nn.LSTM and nn.GRU call on tpu
 
 if _AVAILABLE:
     try:
