@@ -86,19 +86,11 @@ def _seq(shape, seed=2, requires_grad=True):
 @pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bi"])
 @pytest.mark.parametrize("num_layers", [1, 2])
 @pytest.mark.parametrize("batch_first", [False, True], ids=["seq_first", "batch_first"])
-def test_lstm(bidirectional, num_layers, batch_first):
+@pytest.mark.parametrize("rnn", [nn.LSTM, nn.GRU], ids=["lstm", "gru"])
+def test_lstm_and_gru(rnn, bidirectional, num_layers, batch_first):
     shape = (3, 6, 5) if batch_first else (6, 3, 5)
-    assert_same_as_cpu(lambda: nn.LSTM(5, 7, num_layers=num_layers, bidirectional=bidirectional,
-                                       batch_first=batch_first), (_seq(shape),))
-
-
-@pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bi"])
-@pytest.mark.parametrize("num_layers", [1, 2])
-@pytest.mark.parametrize("batch_first", [False, True], ids=["seq_first", "batch_first"])
-def test_gru(bidirectional, num_layers, batch_first):
-    shape = (3, 6, 5) if batch_first else (6, 3, 5)
-    assert_same_as_cpu(lambda: nn.GRU(5, 7, num_layers=num_layers, bidirectional=bidirectional,
-                                      batch_first=batch_first), (_seq(shape),))
+    assert_same_as_cpu(lambda: rnn(5, 7, num_layers=num_layers, bidirectional=bidirectional,
+                                   batch_first=batch_first), (_seq(shape),))
 
 
 @pytest.mark.parametrize("bidirectional", [False, True], ids=["uni", "bi"])

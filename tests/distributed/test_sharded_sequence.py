@@ -23,7 +23,9 @@ from sparsecore import optim
 from sparsecore.distributed import ShardingPlan, TableSharding, shard
 from sparsecore.distributed.checkpoint import load_unsharded_state_dict, state_dict, unsharded_state_dict
 from tests.distributed.harness import assert_all_ok, run_ranks
-from tests.distributed.test_sharded_embeddings import assert_shards_match
+# Every way a feature's rows come back: row shards on both ranks, a table-wise table on the
+# rank with no samples, a replica, column pieces on both ranks (the pooled tests' tables' names).
+from tests.distributed.test_sharded_embeddings import assert_shards_match, empty_batch_plan
 
 STEPS = 3
 
@@ -176,17 +178,6 @@ def no_samples() -> KeyedJaggedTensor:
     """A batch of zero samples (stride 0) of every feature."""
     return KeyedJaggedTensor(keys=FEATURES, values=torch.zeros(0, dtype=torch.int64),
                              lengths=torch.zeros(0, dtype=torch.int64), stride=0)
-
-
-def empty_batch_plan() -> ShardingPlan:
-    """Every way a feature's rows come back: row shards on both ranks, a table-wise table on
-    the rank with no samples, a replica, column pieces on both ranks."""
-    return ShardingPlan(world_size=2, tables={
-        "big": TableSharding(sharding_type="row_wise", ranks=(0, 1)),
-        "shared": TableSharding(sharding_type="table_wise", ranks=(0,)),
-        "tiny": TableSharding(sharding_type="data_parallel", ranks=(0, 1)),
-        "wide": TableSharding(sharding_type="column_wise", ranks=(1, 0), column_widths=(8, 8)),
-    })
 
 
 def train_with_an_empty_rank(rank: int, world: int, plan_json: str, optimizer) -> dict:
