@@ -88,6 +88,12 @@ def test_a_corrupt_entry_falls_through_and_is_rewritten(tmp_path, caplog):
     again = cc.CompileCache(local, None, load=load_fake)
     assert again.get("k", counting_compile(b"A2", compiled))() == b"A2"
     assert compiled == [b"A", b"A2"]
+    assert (again.stats["local"].hits, again.stats["local"].misses) == (0, 1)  # compiled: not a hit
+
+
+def test_entries_are_readable_by_other_users_sharing_the_tier(tmp_path):
+    cc.CompileCache(tmp_path, None, load=load_fake).get("k", counting_compile(b"A", []))
+    assert (tmp_path / "k.bin").stat().st_mode & 0o777 == 0o644
     assert "rejected" in caplog.text
     assert cc.decode_entry((local / "k.bin").read_bytes(), "k") == b"A2"
 
@@ -101,6 +107,12 @@ def test_an_entry_that_passes_the_checksum_but_does_not_load_is_recompiled(tmp_p
     again = cc.CompileCache(tmp_path, None, load=broken_load)
     assert again.get("k", counting_compile(b"A2", compiled))() == b"A2"
     assert compiled == [b"A", b"A2"]
+    assert (again.stats["local"].hits, again.stats["local"].misses) == (0, 1)  # compiled: not a hit
+
+
+def test_entries_are_readable_by_other_users_sharing_the_tier(tmp_path):
+    cc.CompileCache(tmp_path, None, load=load_fake).get("k", counting_compile(b"A", []))
+    assert (tmp_path / "k.bin").stat().st_mode & 0o777 == 0o644
 
 
 def test_an_unwritable_tier_does_not_fail_the_compile(tmp_path):

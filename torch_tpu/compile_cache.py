@@ -109,6 +109,8 @@ def write_atomic(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp's 0600 would keep other users' processes sharing the tier from reading it.
+        os.fchmod(fd, 0o644)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -158,10 +160,13 @@ class CompileCache:
             payload, missed = self._read_files(key)
             fn = None
             if payload is not None:
+                found = next(tier for tier, _ in self._dirs() if tier not in missed)
                 try:
                     fn = self._load_payload(payload)
+                    self.stats[found].hits += 1
                 except Exception as error:  # a payload that passed the checksum yet does not load
                     logger.warning("compile cache: entry %s does not load (%s): recompiling", key[:16], error)
+                    self.stats[found].misses += 1
                     missed = [tier for tier, _ in self._dirs()]
             if fn is None:
                 artifact = compile()
@@ -177,7 +182,8 @@ class CompileCache:
             return fn
 
     def _read_files(self, key: str) -> tuple[bytes | None, list[str]]:
-        """The first good payload down the file tiers, and the tiers that missed before it."""
+        """The first good payload down the file tiers, and the tiers that missed before it
+        (counted; the tier that has it counts a hit once its payload loads)."""
         missed: list[str] = []
         for tier, d in self._dirs():
             path = d / f"{key}.bin"
@@ -189,7 +195,6 @@ class CompileCache:
             except (OSError, CorruptEntry) as error:
                 logger.warning("compile cache: %s entry %s rejected (%s): recompiling", tier, path, error)
             else:
-                self.stats[tier].hits += 1
                 return payload, missed
             self.stats[tier].misses += 1
             missed.append(tier)
