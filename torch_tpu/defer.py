@@ -83,6 +83,8 @@ NEVER_RECORDED = ALLOCATIONS | frozenset([aten._local_scalar_dense.default, aten
                             aten.set_.source_Storage_storage_offset, aten.set_.source_Tensor, aten.set_.default,
                             aten.resize_.default, aten.record_stream.default])
 
+# Views that set a flag (conjugate, negative) rather than a geometry.
+_FLAG_VIEWS = frozenset([aten._conj.default, aten._neg_view.default])
 _Ref = tuple  # ("i", k): graph input k; ("v", n, j): output j of node n
 # The C methods: torch.Tensor's may be materialization hooks.
 _untyped_storage = torch._C.TensorBase.untyped_storage
@@ -425,6 +427,12 @@ class _Engine:
                 raise _NotRecordable(None)  # a view of real memory: metadata only, run at once
         refs_args, refs_kwargs, sig, shapes = self._refs(func, args, kwargs)
         out_metas = self._out_metas(func, args, kwargs, shapes)
+        if info.is_view and (func in _FLAG_VIEWS or any(m is not None and m[3] != args[0].dtype for m in out_metas)):
+            # view(dtype), view_as_real/complex: other bytes per element on the same memory,
+            # which a pending alias (the base's dtype) and as_strided cannot express; conj(),
+            # _neg_view: a flag on the view the alias would not carry - a materialization
+            # point: the view is taken on real memory.
+            raise _NotRecordable(True)
         node = self._add_node(func, refs_args, refs_kwargs, out_metas, sig)
         outputs = []
         for j, meta in enumerate(out_metas):
@@ -504,6 +512,9 @@ class _Engine:
         view = func(*args, **kwargs)  # metadata only
         if not isinstance(view, torch.Tensor):
             raise _NotRecordable
+        if view.dtype != written.tensor.dtype or view.is_conj() or view.is_neg():
+            # a bitcast or a conjugate of the pending value: taken on real memory
+            raise _NotRecordable(True)
         meta = _tensor_meta(view)
         self._bind(view, ("v", self._add_as_strided(written.ref, meta), 0), "written view", meta)
         return view
@@ -573,10 +584,18 @@ class _Engine:
         bound = g.bound.get(t._cdata)
         if bound is not None:
             return bound.ref, bound.meta
+        storage = None
+        if g.write_storages:
+            # Memory with a pending write through another tensor: its reads (a graph input
+            # read before the write included) see the written value, not the input's.
+            storage = _storage_id(t)
+            if storage in g.write_storages:
+                return self._read_written(t, storage)
         k = g.input_index.get(t._cdata)
         if k is not None:
             return ("i", k), g.input_metas[k]
-        storage = _storage_id(t)
+        if storage is None:
+            storage = _storage_id(t)
         meta = _tensor_meta(t)
         if storage in g.pending_storages:
             # Another TensorImpl on a pending storage (autograd's unpacked saved
@@ -584,9 +603,9 @@ class _Engine:
             base = g.bound[g.pending_storages[storage]]
             if meta == base.meta:
                 return base.ref, meta
+            if meta[3] != base.meta[3]:
+                raise _NotRecordable(True)  # another dtype on the same bytes: a bitcast, on real memory
             return ("v", self._add_as_strided(base.ref, meta), 0), meta
-        if storage in g.write_storages:
-            raise _NotRecordable  # reads memory with a pending write through another tensor
         on_tpu = meta[4] == "tpu"
         if not on_tpu and t.dim() != 0:
             raise _NotRecordable(True)  # cpu operands other than scalars: a transfer to the device
@@ -601,6 +620,23 @@ class _Engine:
             g.inputs.append(t.clone())
         g.input_metas.append(meta)
         return ("i", k), meta
+
+    def _read_written(self, t: torch.Tensor, storage: int) -> tuple[_Ref, tuple]:
+        """A real tensor (not the one written) on memory with a pending write: bound, as a
+        written view, to its region of the written value - when that value is the whole
+        storage (or t's very region) in t's dtype; else the op runs on real memory, after
+        the graph (it materializes: the storage has a pending write)."""
+        g = self.graph
+        written = g.bound[g.write_storages[storage]]
+        meta = _tensor_meta(t)
+        if meta == written.meta and t.is_conj() == written.tensor.is_conj() and t.is_neg() == written.tensor.is_neg():
+            ref = written.ref
+        elif meta[3] == written.meta[3] and _covers_storage(written.tensor) and not (t.is_conj() or t.is_neg()):
+            ref = ("v", self._add_as_strided(written.ref, meta), 0)
+        else:
+            raise _NotRecordable
+        self._bind(t, ref, "written view", meta)
+        return ref, meta
 
     def _add_as_strided(self, source: _Ref, meta: tuple) -> int:
         """A node taking `meta`'s geometry of `source`'s value (storage offsets into it)."""
