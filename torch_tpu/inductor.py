@@ -28,14 +28,24 @@ matmul-family op with no MXU counterpart here - run as they are, op by op on
 tpu; the runs of other nodes between them are compiled (``compile_around``).
 Each compiled graph keeps whichever of compiled and op by op measures faster
 (``ChoosingRunner``).
+
+Both variants must give every tensor the next graph (a backward) reads the
+sizes and strides the traced values record: it is compiled for them. Where a
+tpu kernel disagrees with the value tracing gave it, the graphs are rewritten
+first, for both: a convolution laid out channels_last is copied into the
+traced layout (``conform_convolution_layouts``); an eval-mode batch norm's
+saved statistics, empty, are left unread by its backward
+(``drop_eval_batch_norm_statistics``). A graph runs on one tpu device: one whose
+tensors are on several is compiled around the nodes that move between them.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import operator
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -62,7 +72,6 @@ MXU_OPS: dict[Any, Any] = {
     aten.convolution: _mxu.mxu_convolution,
     aten.convolution_backward: _mxu.mxu_convolution_backward,
 }
-_MXU_TARGETS = frozenset(op.default for op in MXU_OPS.values())
 # Matmul-family ops the tpu runs at MXU precision with no compiled counterpart
 # here: a graph holding one (at fp32) runs op by op rather than exactly.
 UNMAPPED_MXU_OPS = frozenset(
@@ -80,6 +89,29 @@ HOST_SHAPED_OPS = frozenset(
      aten._embedding_bag_dense_backward, aten._embedding_bag_sparse_backward,
      aten._embedding_bag_per_sample_weights_backward]
 )
+
+
+# Batch norm backwards -> the position of their training flag (native_batch_norm_backward's
+# train, batch_norm_backward's update) and of save_mean and save_invstd. In eval mode (the flag
+# False) they read the running statistics, never the saved ones - which an eval-mode forward's
+# CPU kernel, the tpu's, returns empty, where its meta function gives any device but cpu (C,)
+# ones (the "inconsistency between devices" torch._decomp's native_batch_norm_helper notes).
+BATCH_NORM_BACKWARDS: dict[Any, tuple[int, tuple[int, int]]] = {
+    aten.native_batch_norm_backward.default: (7, (5, 6)),
+    aten.batch_norm_backward.default: (7, (5, 6)),
+}
+
+# The convolutions of a tpu graph -> their MXU ops, whose Meta kernels lay the outputs out as
+# the tpu kernels do (torch_tpu/csrc/TpuMxuOps.cpp).
+CONVOLUTIONS: dict[Any, Any] = {
+    aten.convolution.default: _mxu.mxu_convolution.default,
+    aten.convolution_backward.default: _mxu.mxu_convolution_backward.default,
+}
+
+# Bumped when what a host graph compiles to changes while its code does not (the MXU ops' Meta
+# kernels, which Inductor's own cache key does not cover): no cache tier, ours or Inductor's,
+# then hands back an entry compiled before.
+HOST_COMPILE_REVISION = 2
 
 
 class NotCompilable(RuntimeError):
@@ -118,13 +150,52 @@ def _check_compilable(target: Any) -> None:
 
 
 def compilable(node: torch.fx.Node) -> bool:
-    """Whether ``node`` would be compiled (in a run of such nodes), not run as it is."""
+    """Whether ``node`` would be compiled (in a run of such nodes), not run as it is. A node
+    moving a tensor between tpu devices is not: a compiled graph runs on one device."""
     try:
         _check_compilable(node.target)
     except NotCompilable:
         return False
     packet = getattr(node.target, "overloadpacket", None)
-    return not (packet in UNMAPPED_MXU_OPS and _is_fp32_mxu(node))
+    if packet in UNMAPPED_MXU_OPS and _is_fp32_mxu(node):
+        return False
+    return len(node_devices(node)) <= 1
+
+
+def _tpu_indices(value: Any) -> set[int]:
+    """The tpu devices of the tensors and devices in ``value`` (nested); a tpu device without
+    an index is the current one, as a factory given it would use."""
+    found = set()
+    for leaf in torch.utils._pytree.tree_leaves(value):
+        device = leaf.device if isinstance(leaf, torch.Tensor) else leaf
+        if isinstance(device, torch.device) and device.type == "tpu":
+            found.add(torch.tpu.current_device() if device.index is None else device.index)
+    return found
+
+
+def node_devices(node: torch.fx.Node) -> frozenset[int]:
+    """The tpu devices a node reads, makes or names: its inputs' and its own traced values,
+    its device arguments."""
+    values = [node.meta.get("val")]
+    for leaf in torch.utils._pytree.tree_leaves((node.args, node.kwargs)):
+        values.append(leaf.meta.get("val") if isinstance(leaf, torch.fx.Node) else leaf)
+    return frozenset(_tpu_indices(values))
+
+
+def graph_device(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], device: int | None = None) -> int:
+    """The tpu device a compiled ``gm`` runs on and adopts its results onto: the one its tensors
+    are on (inputs, traced values, device arguments), else ``device``, else the current one.
+    Raises NotCompilable for a graph on several tpu devices, or on another than ``device``:
+    compiled for cpu, it would hand back every result on the one device."""
+    found = _tpu_indices(list(example_inputs))
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            found |= node_devices(node)
+    if device is not None:
+        found.add(device)
+    if len(found) > 1:
+        raise NotCompilable(f"tensors on tpu devices {sorted(found)}: a compiled graph runs on one")
+    return found.pop() if found else torch.tpu.current_device()
 
 
 def host_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -145,36 +216,133 @@ def host_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             node.target = MXU_OPS[packet].default
         elif packet in UNMAPPED_MXU_OPS and _is_fp32_mxu(node):
             raise NotCompilable(f"{node.target} at fp32 has no MXU-precision op in compiled graphs")
-    unfuse_bias_adds(host)
     norms_at_fp32(host)
     host.recompile()
     hoist_scalar_math(host)
     return host
 
 
-def unfuse_bias_adds(gm: torch.fx.GraphModule) -> int:
-    """Rewrites ``mxu_addmm(bias, a, b)`` as ``mxu_mm(a, b) + bias`` where a kernel that
-    Inductor generates reads the result, so the add fuses into that kernel, as XLA fuses a
-    dot's bias add into its consumer. The addmm kernel first broadcasts the bias into its
-    whole output, then accumulates the GEMM onto it: a pass over the output for every
-    Linear layer (on benchmarks.compile's small-op step, four 256 x 256 Linears, 0.12 ms
-    of a 3.2 ms step). The sum is fp32 either way; only its order against the GEMM's
-    blocks may differ, by an ulp. Returns how many addmms were rewritten."""
+def drop_eval_batch_norm_statistics(gm: torch.fx.GraphModule) -> int:
+    """An eval-mode batch norm backward's save_mean and save_invstd arguments become None: it
+    reads the running statistics instead (ATen's kernels and decompositions alike). A graph
+    traced on tpu records the saved statistics as (C,), but the forward - op by op or
+    compiled for cpu - makes them empty, so a backward reading them would be handed other
+    sizes than it was compiled for; not read, they are not checked either (``input_layouts``).
+    Rewrites ``gm`` in place; returns how many backwards it rewrote."""
     rewritten = 0
-    for node in list(gm.graph.nodes):
-        if node.target is not _mxu.mxu_addmm.default or len(node.args) != 3:
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in BATCH_NORM_BACKWARDS:
             continue
-        if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+        flag, saved = BATCH_NORM_BACKWARDS[node.target]
+        if len(node.args) <= flag or node.args[flag] is not False or all(node.args[i] is None for i in saved):
             continue
-        if not any(u.op == "call_function" and u.target not in _MXU_TARGETS for u in node.users):
-            continue  # no kernel to fuse the add into: it would be a pass of its own
-        bias, a, b = node.args
-        with gm.graph.inserting_before(node):
-            product = gm.graph.call_function(_mxu.mxu_mm.default, (a, b))
-        product.meta = dict(node.meta)
-        node.target, node.args, node.kwargs = aten.add.Tensor, (product, bias), {}
+        node.args = tuple(None if i in saved else a for i, a in enumerate(node.args))
         rewritten += 1
+    if rewritten:
+        gm.graph.lint()
+        gm.recompile()
     return rewritten
+
+
+def conform_convolution_layouts(gm: torch.fx.GraphModule) -> int:
+    """Each convolution output of ``gm`` laid out by the tpu kernel unlike its traced value
+    gets copied into the traced layout where it is made. The tpu's convolutions are ATen's
+    CPU ones on host views, channels_last when the input or the weight is; tracing picks the
+    format by the device's convolution backend, and an out-of-tree device's gets contiguous
+    (FakeTensor's conv rule; meta tensors the same). The traced layout is the one the graph's
+    readers were compiled for - the backward's inputs - so both variants must give it.
+    Rewrites ``gm`` in place; returns how many outputs it copied."""
+    graph = gm.graph
+    conformed = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in CONVOLUTIONS:
+            continue
+        laid_out = _kernel_layouts(node)
+        if laid_out is None:
+            continue
+        for index, made in _convolution_results(node):
+            traced, actual = made.meta.get("val"), laid_out[index]
+            if not isinstance(traced, torch.Tensor) or actual is None or _same_layout(traced, actual):
+                continue
+            layout = _memory_format(traced)
+            if layout is None:
+                logger.warning("%s: traced strides %s are no memory format to copy into; the kernel makes %s",
+                               made, traced.stride(), actual.stride())
+                continue
+            with graph.inserting_after(made):
+                copied = graph.call_function(aten.clone.default, (made,), {"memory_format": layout})
+            made.replace_all_uses_with(copied, delete_user_cb=lambda user: user is not copied)
+            copied.meta["val"] = traced
+            made.meta["val"] = _restrided(traced, actual.stride())
+            if made is not node:  # a backward's getitem: its tuple of values too
+                node.meta["val"] = tuple(made.meta["val"] if i == index else v for i, v in enumerate(node.meta["val"]))
+            conformed += 1
+    if conformed:
+        graph.lint()
+        gm.recompile()
+    return conformed
+
+
+def _convolution_results(node: torch.fx.Node) -> list[tuple[int, torch.fx.Node]]:
+    """(output index, the node holding it): a convolution itself; a convolution backward's
+    getitems."""
+    if node.target is aten.convolution.default:
+        return [(0, node)]
+    return [(u.args[1], u) for u in node.users if u.target is operator.getitem]
+
+
+def _kernel_layouts(node: torch.fx.Node) -> list[torch.Tensor | None] | None:
+    """Meta tensors laid out as the tpu kernel lays out ``node``'s outputs (its MXU op's Meta
+    kernel on the traced inputs); None when some input's geometry is unknown or symbolic."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    def meta(value: Any) -> Any:
+        if not isinstance(value, torch.fx.Node):
+            return value
+        traced = value.meta.get("val")
+        if not isinstance(traced, torch.Tensor) or not all(isinstance(n, int) for n in (*traced.shape,
+                                                                                          *traced.stride())):
+            raise LookupError(value)
+        return torch.empty_strided(traced.shape, traced.stride(), dtype=traced.dtype, device="meta")
+
+    try:
+        args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), meta)
+    except LookupError:
+        return None
+    try:
+        with unset_fake_temporarily():
+            outputs = CONVOLUTIONS[node.target](*args, **kwargs)
+    except RuntimeError as error:  # arguments the op rejects: the node itself will say so when it runs
+        logger.debug("%s: no layout from its MXU op's Meta kernel: %s", node, error)
+        return None
+    return list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same sizes, and strides on every dimension longer than 1 (as the layout checks have it)."""
+    return a.shape == b.shape and all(n == 1 or x == y for n, x, y in zip(a.shape, a.stride(), b.stride()))
+
+
+def _memory_format(t: torch.Tensor) -> torch.memory_format | None:
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    if t.is_contiguous():
+        return torch.contiguous_format
+    if t.dim() in formats and t.is_contiguous(memory_format=formats[t.dim()]):
+        return formats[t.dim()]
+    return None
+
+
+def _restrided(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """A value like ``t`` (fake or meta) with these strides."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def make() -> torch.Tensor:
+        return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device)
+
+    if isinstance(t, FakeTensor):
+        with t.fake_mode:
+            return make()
+    return make()
 
 
 def _host_example(t: Any) -> Any:
@@ -192,34 +360,42 @@ def compile_host(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     check its inputs' sizes and strides (the caller does: ``input_layouts``)."""
     host = host_graph(gm)
     examples = [_host_example(t) for t in example_inputs]
-    with torch._inductor.config.patch(size_asserts=size_asserts):  # part of the key too
-        key = graph_key(host, examples)
+    tag = _cache_key_tag()
+    # size_asserts is part of our key (Inductor's configuration), the tag of Inductor's caches too.
+    with torch._inductor.config.patch(size_asserts=size_asserts), torch.compiler.config.patch(cache_key_tag=tag):
+        key = graph_key(host, examples, salt=tag)
         return compile_cache().get(
             key, lambda: torch._inductor.standalone_compile(host, examples, dynamic_shapes="from_example_inputs")
         )
 
 
+def _cache_key_tag() -> str:
+    """torch.compiler's cache key tag (the user's, if any) with our HOST_COMPILE_REVISION."""
+    ours = f"torch_tpu-host-r{HOST_COMPILE_REVISION}"
+    theirs = torch.compiler.config.cache_key_tag
+    return f"{theirs}+{ours}" if theirs else ours
+
+
 Layouts = tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]
 
 
-def input_layouts(example_inputs: Sequence[Any]) -> Layouts | None:
+def input_layouts(example_inputs: Sequence[Any], unread: Collection[int] = ()) -> Layouts | None:
     """``(position, sizes, strides)`` of every tensor input, which a graph compiled for these
-    inputs indexes its inputs by; None when some are symbolic (Inductor's wrapper then checks
-    them itself)."""
+    inputs indexes its inputs by, but those at the ``unread`` positions (the graph never reads
+    them: their layouts do not matter); None when some are symbolic (Inductor's wrapper then
+    checks them itself)."""
     layouts = []
     for i, t in enumerate(example_inputs):
-        if isinstance(t, torch.Tensor):
+        if isinstance(t, torch.Tensor) and i not in unread:
             if any(not isinstance(n, int) for n in (*t.shape, *t.stride())):
                 return None
             layouts.append((i, tuple(t.shape), tuple(t.stride())))
     return tuple(layouts)
 
 
-def _tpu_device(example_inputs: Sequence[Any]) -> int:
-    for t in example_inputs:
-        if isinstance(t, torch.Tensor) and t.device.type == "tpu":
-            return t.device.index or 0
-    return torch.tpu.current_device()
+def _unread_inputs(gm: torch.fx.GraphModule) -> frozenset[int]:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return frozenset(i for i, p in enumerate(placeholders) if not p.users)
 
 
 def _output_devices(gm: torch.fx.GraphModule) -> list[bool | None]:
@@ -353,7 +529,12 @@ def compile_graph(
     ``tpu_outputs`` says which outputs are tpu tensors (default: from the
     graph's node values). Only the inputs' geometry is read: ``example_inputs``
     may be meta tensors, with ``device`` the tpu they will be on (default: the
-    tpu inputs')."""
+    one the graph's tensors are on, ``graph_device``). Rewrites ``gm`` in place
+    where tpu kernels would make tensors unlike its traced values (both
+    variants run it)."""
+    # Both variants run ``gm``'s nodes: it must make the tensors its values record first.
+    drop_eval_batch_norm_statistics(gm)
+    conform_convolution_layouts(gm)
     if _has_unbacked_sizes(gm):
         # Sizes known only from values (Dynamo's capture_dynamic_output_shape_ops /
         # capture_scalar_outputs): the host copy's compile cannot rebind them.
@@ -361,8 +542,9 @@ def compile_graph(
         return gm
     # Inductor's wrapper would assert every input's sizes and strides with a Python call
     # each: 140 calls a step on a small-op training step's three graphs, 2% of its time.
-    layouts = input_layouts(example_inputs)
+    layouts = input_layouts(example_inputs, _unread_inputs(gm))
     try:
+        runs_on = graph_device(gm, example_inputs, device)
         compiled = compile_host(gm, example_inputs, size_asserts=layouts is None)
     except NotCompilable as reason:
         split = compile_around(gm, choose)
@@ -370,7 +552,7 @@ def compile_graph(
                     else "runs op by op", reason)
         return gm if split is None else split
     outputs = _output_devices(gm) if tpu_outputs is None else list(tpu_outputs)
-    runner = HostRunner(compiled, _tpu_device(example_inputs) if device is None else device, outputs, layouts)
+    runner = HostRunner(compiled, runs_on, outputs, layouts)
     # A graph drawing random numbers stays with one variant: compiled and op by op draw
     # different streams, and alternating them would break a seed's reproducibility.
     return ChoosingRunner(runner, gm) if choose and not _draws_random_numbers(gm) else runner
@@ -429,28 +611,31 @@ def reinplace_mutating_ops(gm: torch.fx.GraphModule) -> None:
 
 def compile_around(gm: torch.fx.GraphModule, choose: bool = True) -> torch.fx.GraphModule | None:
     """``gm`` split at the nodes that cannot be compiled with tpu semantics
-    (custom ops, higher-order ops, unmapped fp32 matmuls): they run op by op,
-    each run of compilable nodes between them is compiled. None when no run
-    is worth compiling."""
+    (custom ops, higher-order ops, unmapped fp32 matmuls, moves between tpu
+    devices): they run op by op, each run of compilable nodes between them on
+    one tpu device is compiled. None when no run is worth compiling."""
     from torch.fx.passes.split_module import split_module
 
     reinplace_mutating_ops(gm)
     partition: dict[torch.fx.Node, int] = {}
     ops_of: dict[int, int] = {}  # partition -> its ops, for the compilable ones
-    current, previous_ok = 0, None
+    current, previous_ok, device = 0, None, None  # device: the current run's tpu device, once known
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         ok = compilable(node)
-        if not ok or previous_ok is not True:
-            current += 1
+        devices = node_devices(node) if ok else frozenset()  # at most one when compilable
+        moved = bool(devices) and device is not None and devices != {device}
+        if not ok or previous_ok is not True or moved:
+            current, device = current + 1, None
         partition[node] = current
         if ok:
             ops_of[current] = ops_of.get(current, 0) + 1
+            device = next(iter(devices), device)
         previous_ok = ok
     worth = {p for p, ops in ops_of.items() if ops >= MIN_COMPILED_SEGMENT}
-    if not worth:
-        return None
+    if not worth or list(ops_of.values()) == [len(partition)]:
+        return None  # nothing to compile; or one run of every node, which would be this graph again
     split = split_module(gm, None, lambda node: partition[node], keep_original_order=True)
     for name, sub in list(split.named_children()):
         if int(name.rsplit("_", 1)[1]) not in worth:
