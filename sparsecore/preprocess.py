@@ -401,19 +401,29 @@ class Preprocessor:
         return preprocess_stacks(kjt, self.stacks, allow_id_dropping=self.allow_id_dropping, device="cpu")
 
 
-def _at_least_suggested_size(batch: StackBatch, stack: StackSpec) -> StackBatch:
-    """``batch`` padded (padding entries: sample -1, gain 0) to the stack's suggested buffer
-    size per device, split over its receivers in ALIGNMENT steps; as it is when wider."""
+def suggested_width(stack: StackSpec) -> int | None:
+    """The entries per receiver of the stack's suggested buffer size per device, split over
+    its receivers in ALIGNMENT steps (None: no table suggests one)."""
     size = stack.coo_buffer_size_per_device
-    if size is None:
-        return batch
-    extra = align_up(-(-size // stack.num_sparsecores)) - batch.embedding_ids.shape[1]
+    return None if size is None else align_up(-(-size // stack.num_sparsecores))
+
+
+def padded_to(batch: StackBatch, width: int) -> StackBatch:
+    """``batch`` with its buffers padded to ``width`` entries per receiver (padding entries:
+    sample -1, gain 0, which no kernel visits); as it is when as wide or wider."""
+    extra = width - batch.embedding_ids.shape[1]
     if extra <= 0:
         return batch
     pad = torch.nn.functional.pad
     return dataclasses.replace(batch, embedding_ids=pad(batch.embedding_ids, (0, extra)),
                                sample_ids=pad(batch.sample_ids, (0, extra), value=-1),
                                gains=pad(batch.gains, (0, extra)))
+
+
+def _at_least_suggested_size(batch: StackBatch, stack: StackSpec) -> StackBatch:
+    """``batch`` padded to the stack's suggested buffer size per device; as it is when wider."""
+    width = suggested_width(stack)
+    return batch if width is None else padded_to(batch, width)
 
 
 def preprocess_stacks(

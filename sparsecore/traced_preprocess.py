@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from sparsecore.preprocess import PreprocessedBatch, StackBatch, align_up, bucket_width
+from sparsecore.preprocess import PreprocessedBatch, StackBatch, align_up, bucket_width, padded_to, suggested_width
 from sparsecore.stacking import StackSpec
 
 if TYPE_CHECKING:
@@ -53,20 +53,18 @@ def static_width(stack: StackSpec) -> int:
     """The entries per receiver that any batch within the stack's limits fits in: every
     owner group holds at most max_ids_per_partition entries and starts aligned, and the
     buffers are at least the suggested size."""
-    n = stack.num_sparsecores
-    width = bucket_width(n * align_up(stack.max_ids_per_partition))
-    suggested = stack.coo_buffer_size_per_device
-    return width if suggested is None else max(width, align_up(-(-suggested // n)))
+    width = bucket_width(stack.num_sparsecores * align_up(stack.max_ids_per_partition))
+    return max(width, suggested_width(stack) or 0)
 
 
-def _padded(batch: StackBatch, width: int, stack: StackSpec) -> list[torch.Tensor]:
-    extra = width - batch.embedding_ids.shape[1]
-    if extra < 0:
+def _buffers(batch: StackBatch, stack: StackSpec) -> list[torch.Tensor]:
+    """The stack's buffers of ``batch``, ``static_width`` wide."""
+    width = static_width(stack)
+    if batch.embedding_ids.shape[1] > width:
         raise RuntimeError(f"stack {stack.name!r}: {batch.embedding_ids.shape[1]} entries per receiver passed "
                            f"the {width} its limits allow")
-    pad = torch.nn.functional.pad
-    return [batch.row_pointers, pad(batch.embedding_ids, (0, extra)), pad(batch.sample_ids, (0, extra), value=-1),
-            pad(batch.gains, (0, extra))]
+    batch = padded_to(batch, width)
+    return [batch.row_pointers, batch.embedding_ids, batch.sample_ids, batch.gains]
 
 
 @torch.library.custom_op("sparsecore::preprocess_kjt", mutates_args=())
@@ -79,7 +77,7 @@ def preprocess_kjt(values: torch.Tensor, lengths: torch.Tensor, weights: Optiona
     owner = _module(module)
     kjt = KeyedJaggedTensor(keys=keys.split(KEY_SEPARATOR), values=values, lengths=lengths, weights=weights, stride=stride)
     batch = owner.preprocess(kjt)
-    return [t for stack in owner.stacks for t in _padded(batch.stacks[stack.name], static_width(stack), stack)]
+    return [t for stack in owner.stacks for t in _buffers(batch.stacks[stack.name], stack)]
 
 
 @preprocess_kjt.register_fake

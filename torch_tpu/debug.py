@@ -40,6 +40,8 @@ mode only NaN):
 
 from __future__ import annotations
 
+import cmath
+import math
 import os
 import traceback
 import warnings
@@ -196,8 +198,10 @@ def _is_finite(value: Any) -> bool:
         if not (value.is_floating_point() or value.is_complex()) or value.numel() == 0:
             return True
         return bool(torch.isfinite(value).all())
-    if isinstance(value, (float, complex)):
-        return bool(torch.isfinite(torch.tensor(value)))
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, complex):
+        return cmath.isfinite(value)
     return True
 
 
@@ -237,8 +241,8 @@ def _written_before(func: Any, args: tuple, kwargs: dict) -> list[_Written]:
     return written
 
 
-def _fresh_outputs(func: Any, out: Any, inputs: list[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
-    """(index, tensor) of the outputs that hold values the op made: not views or returned inputs."""
+def _fresh_outputs(func: Any, out: Any, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The outputs that hold values the op made: not views or returned inputs."""
     returns = func._schema.returns
     values = list(out) if isinstance(out, (tuple, list)) and len(returns) > 1 else [out]
     if len(values) != len(returns):  # not as the schema says: trust storage alone
@@ -250,10 +254,8 @@ def _fresh_outputs(func: Any, out: Any, inputs: list[torch.Tensor]) -> list[tupl
             continue  # a view or an alias of an input (the written ones are checked as such)
         for t in _tensors(value):
             if _checked(t) and _storage(t) not in input_storages:
-                fresh.append((len(fresh), t))
-    # Number the outputs as the flattened result does.
-    flat = tree_flatten(out)[0]
-    return [(next((k for k, v in enumerate(flat) if v is t), i), t) for i, t in fresh]
+                fresh.append(t)
+    return fresh
 
 
 def _inputs_finite(args: tuple, kwargs: dict, written: list[_Written]) -> bool:
@@ -285,10 +287,14 @@ def _check_finite(op: Any, args: tuple, kwargs: dict, out: Any, written: list[_W
     inputs = _tensors((args, kwargs))
     candidates: list[tuple[str, torch.Tensor, Any]] = []  # (what, tensor, NaN already there before)
     flat = tree_flatten(out)[0]
+
+    def output(t: torch.Tensor) -> int | None:  # its index in the flattened result
+        return next((k for k, v in enumerate(flat) if v is t), None)
+
     for w in written:
-        index = next((k for k, v in enumerate(flat) if v is w.tensor), None)
+        index = output(w.tensor)
         candidates.append((f"output {index}" if index is not None else f"argument {w.name}", w.tensor, w.nan_before))
-    candidates += [(f"output {i}", t, None) for i, t in _fresh_outputs(op, out, inputs)]
+    candidates += [(f"output {output(t)}", t, None) for t in _fresh_outputs(op, out, inputs)]
     inputs_finite = None  # computed when an Inf needs it
     for what, t, nan_before in candidates:
         if bool(torch.isfinite(t).all()):

@@ -59,6 +59,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from torch_tpu import deferred_graph, materialization_hooks
 from torch_tpu.defer_segments import UNMATCHED, Segments
+from torch_tpu.graph_breaks import hide_from_dynamo
 from torch_tpu.graph_ops import is_graph_op
 from torch_tpu.materialization_hooks import register_materialization_hook  # noqa: F401 - the public entry
 from torch_tpu.deferred_graph import Arg, map_arg
@@ -302,7 +303,7 @@ class DeferAndFuse(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # No _disable_dynamo wrapper: it costs microseconds on every op. Dynamo is
-        # kept out of the mode's frames by _hide_from_dynamo instead, at no cost per op.
+        # kept out of the mode's frames by hide_from_dynamo instead, at no cost per op.
         return False
 
     @classmethod
@@ -941,20 +942,11 @@ def run_unrecorded(fn: Any, args: Any, reason: str) -> Any:
         return fn(*args)
 
 
-def _hide_from_dynamo(*codes: Any) -> None:
-    """Dynamo never traces these frames nor any frame they call. Inside its own
-    ``__torch_dispatch__`` the mode is off the stack, so while a compiled function
-    runs (the ops of a graph break, say) Dynamo would otherwise take the mode's
-    Python for user code and trace it."""
-    from torch._C._dynamo import eval_frame
-
-    skip = eval_frame._FrameExecStrategy(eval_frame._FrameAction.SKIP, eval_frame._FrameAction.SKIP)
-    for code in codes:
-        eval_frame.set_code_exec_strategy(code, skip)
-
-
-_hide_from_dynamo(DeferAndFuse.__torch_dispatch__.__code__, materialize.__code__,
-                  *materialization_hooks.wrapper_codes())
+# Inside its own ``__torch_dispatch__`` the mode is off the stack, so while a compiled
+# function runs (the ops of a graph break, say) Dynamo would otherwise take the mode's
+# Python for user code and trace it.
+hide_from_dynamo(DeferAndFuse.__torch_dispatch__.__code__, materialize.__code__,
+                 *materialization_hooks.wrapper_codes())
 
 
 def stats() -> DeferStats:

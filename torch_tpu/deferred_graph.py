@@ -190,13 +190,6 @@ def to_fx(graph: Any, outputs: list[tuple]) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(torch.nn.Module(), fx)
 
 
-def shape_of(x: Any) -> Any:
-    """A tensor's geometry without its memory (a meta tensor); other values as they are."""
-    if isinstance(x, torch.Tensor):
-        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
-    return x
-
-
 def written_inputs(graph: Any) -> list[int]:
     """The inputs the graph's in-place nodes write (graph.in_place: real tensors updated in place)."""
     written: dict[int, None] = {}
@@ -276,9 +269,11 @@ class GraphCache:
         if entry.runs == COMPILE_AT_RUN:
             mode = self.compile_mode()
             if mode != "off" and len(graph.nodes) >= MIN_COMPILED_OPS:
+                from torch_tpu import inductor
+
                 gm = to_fx(graph, outputs)
                 # Their geometry only: a queued compile must not keep the step's tensors alive.
-                examples = [shape_of(t) for t in graph.inputs]
+                examples = [inductor.shape_of(t) for t in graph.inputs]
                 device = next((t.device.index or 0 for t in graph.inputs
                                if isinstance(t, torch.Tensor) and t.device.type == "tpu"), None)
                 if mode == "sync":

@@ -1,10 +1,12 @@
-"""Process state that compiled graphs read but cannot hold: the functions that read or
-set it run as Python at a graph break inside a ``torch.compile``d function."""
+"""Our Python and Dynamo: the functions of process state that compiled graphs read but
+cannot hold run as Python at a graph break inside a ``torch.compile``d function
+(``outside_compiled_graphs``); our frames that run inside a compiled function's ops
+are never traced (``hide_from_dynamo``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from torch._C._dynamo import eval_frame
 
@@ -28,8 +30,16 @@ def outside_compiled_graphs(api: str, state: str) -> Callable[[F], F]:
         fn._torchdynamo_disable_msg = reason  # type: ignore[attr-defined]
         # disable's run-time half, at no cost per call: when the function runs at the graph
         # break, neither its frame nor any it calls is compiled.
-        skip = eval_frame._FrameExecStrategy(eval_frame._FrameAction.SKIP, eval_frame._FrameAction.SKIP)
-        eval_frame.set_code_exec_strategy(fn.__code__, skip)
+        hide_from_dynamo(fn.__code__)
         return fn
 
     return mark
+
+
+def hide_from_dynamo(*codes: Any) -> None:
+    """Dynamo never traces these frames nor any frame they call, at no cost per call: for
+    our own Python that runs inside a compiled function's ops (a dispatch mode, a kernel
+    registered in Python), which Dynamo would otherwise take for user code."""
+    skip = eval_frame._FrameExecStrategy(eval_frame._FrameAction.SKIP, eval_frame._FrameAction.SKIP)
+    for code in codes:
+        eval_frame.set_code_exec_strategy(code, skip)

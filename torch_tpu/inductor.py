@@ -152,14 +152,24 @@ def _check_compilable(target: Any) -> None:
 def compilable(node: torch.fx.Node) -> bool:
     """Whether ``node`` would be compiled (in a run of such nodes), not run as it is. A node
     moving a tensor between tpu devices is not: a compiled graph runs on one device."""
+    return _compilable_op(node) and len(node_devices(node)) <= 1
+
+
+def _compilable_op(node: torch.fx.Node) -> bool:
+    """``compilable`` but for the devices."""
     try:
         _check_compilable(node.target)
     except NotCompilable:
         return False
     packet = getattr(node.target, "overloadpacket", None)
-    if packet in UNMAPPED_MXU_OPS and _is_fp32_mxu(node):
-        return False
-    return len(node_devices(node)) <= 1
+    return not (packet in UNMAPPED_MXU_OPS and _is_fp32_mxu(node))
+
+
+def shape_of(x: Any) -> Any:
+    """A tensor's geometry without its memory (a meta tensor); other values as they are."""
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    return x
 
 
 def _tpu_indices(value: Any) -> set[int]:
@@ -303,7 +313,7 @@ def _kernel_layouts(node: torch.fx.Node) -> list[torch.Tensor | None] | None:
         if not isinstance(traced, torch.Tensor) or not all(isinstance(n, int) for n in (*traced.shape,
                                                                                           *traced.stride())):
             raise LookupError(value)
-        return torch.empty_strided(traced.shape, traced.stride(), dtype=traced.dtype, device="meta")
+        return shape_of(traced)
 
     try:
         args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), meta)
@@ -623,8 +633,8 @@ def compile_around(gm: torch.fx.GraphModule, choose: bool = True) -> torch.fx.Gr
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        ok = compilable(node)
-        devices = node_devices(node) if ok else frozenset()  # at most one when compilable
+        devices = node_devices(node)
+        ok = _compilable_op(node) and len(devices) <= 1  # compilable(node), its devices read once
         moved = bool(devices) and device is not None and devices != {device}
         if not ok or previous_ok is not True or moved:
             current, device = current + 1, None

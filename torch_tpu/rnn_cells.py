@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from torch_tpu.graph_breaks import hide_from_dynamo
+
 _REDUCED = (torch.float16, torch.bfloat16)
 _lib = torch.library.Library("aten", "IMPL")
 
@@ -227,14 +229,11 @@ _META = {
 
 
 def _register() -> None:
-    from torch._C._dynamo import eval_frame
-
     # The kernels run inside compiled functions too (the ops of a graph break): Dynamo
     # must not take them for user code and trace them (nor anything they call).
-    skip = eval_frame._FrameExecStrategy(eval_frame._FrameAction.SKIP, eval_frame._FrameAction.SKIP)
     for name, kernel in _KERNELS.items():
         _lib.impl(name, kernel, "PrivateUse1")
-        eval_frame.set_code_exec_strategy(kernel.__code__, skip)
+        hide_from_dynamo(kernel.__code__)
     for name, meta in _META.items():
         if not getattr(torch.ops.aten, name).default.has_kernel_for_dispatch_key(torch._C.DispatchKey.Meta):
             _lib.impl(name, meta, "Meta")
