@@ -285,6 +285,11 @@ class SparseCoreCollection(nn.Module):
     def stacks(self) -> list[StackSpec]:
         return list(self._stacks)
 
+    @property
+    def table_configs(self) -> list[SparseCoreEmbeddingConfig]:
+        """The tables as constructed, in order (TorchRec's key order follows them)."""
+        return list(self._configs)
+
     # ---- lookups ----
 
     def preprocess(self, features: KeyedJaggedTensor) -> PreprocessedBatch:

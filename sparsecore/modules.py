@@ -43,7 +43,7 @@ from sparsecore.executor import Pending, Resolved, run_on
 from sparsecore.inference import inference_lookups
 from sparsecore.preprocess import PreprocessedBatch
 from sparsecore.weight_gradient import (check_trainable, detached, refuse_trainable_weights, trainable_weights,
-                                        weight_gradient, with_weight_gradient)
+                                        with_weight_gradient)
 
 
 class SparseCoreEmbeddingBagCollection(SparseCoreCollection):
@@ -73,13 +73,12 @@ class SparseCoreEmbeddingBagCollection(SparseCoreCollection):
             return super().forward(features)
         return self._forward_training_weights(features)
 
-    @torch.compiler.disable(reason="KJT weights that require grad train in eager mode (sparsecore.weight_gradient)")
     def _forward_training_weights(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """forward for TorchRec's position-weighted features: the weights get their gradient too."""
         check_trainable(self._configs, self._allow_id_dropping)
         out = super().forward(detached(features))  # after the queued updates, as the lookup
-        gradient = weight_gradient(features, self._configs, self._stacks, self._weights)
-        values = with_weight_gradient(out.values(), features.weights(), gradient)
+        tables = [self._weights[s.name] for s in self._stacks]
+        values = with_weight_gradient(out.values(), features, tables, self._traced_key)
         return KeyedTensor(keys=out.keys(), length_per_key=out.length_per_key(), values=values)
 
     def forward_async(self, features: KeyedJaggedTensor | PreprocessedBatch) -> Pending | Resolved:

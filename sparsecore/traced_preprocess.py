@@ -42,7 +42,8 @@ def register(module: "SparseCoreCollection") -> str:
     return key
 
 
-def _module(key: str) -> "SparseCoreCollection":
+def registered(key: str) -> "SparseCoreCollection":
+    """The module ``register`` gave ``key``."""
     module = _MODULES.get(key)
     if module is None:
         raise RuntimeError(f"sparsecore::preprocess_kjt: module {key!r} no longer exists")
@@ -74,7 +75,7 @@ def preprocess_kjt(values: torch.Tensor, lengths: torch.Tensor, weights: Optiona
     holds no list of strings; values, lengths, weights, stride): per
     pooled stack in order, row pointers, embedding ids, sample ids and gains, the last
     three ``static_width`` wide, on ``device`` (the module's)."""
-    owner = _module(module)
+    owner = registered(module)
     kjt = KeyedJaggedTensor(keys=keys.split(KEY_SEPARATOR), values=values, lengths=lengths, weights=weights, stride=stride)
     batch = owner.preprocess(kjt)
     return [t for stack in owner.stacks for t in _buffers(batch.stacks[stack.name], stack)]
@@ -83,7 +84,7 @@ def preprocess_kjt(values: torch.Tensor, lengths: torch.Tensor, weights: Optiona
 @preprocess_kjt.register_fake
 def _preprocess_kjt_fake(values, lengths, weights, keys, stride, module, device):
     out = []
-    for stack in _module(module).stacks:
+    for stack in registered(module).stacks:
         n, width = stack.num_sparsecores, static_width(stack)
         out.append(torch.empty((n, n), dtype=torch.int32, device=device))
         out += [torch.empty((n, width), dtype=dtype, device=device)

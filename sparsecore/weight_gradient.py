@@ -9,14 +9,15 @@ output, row(id_i)>``, over the rows as the lookup read them (read at the forward
 the fused updates step them in the backward).
 
 sqrtn bags (``w_i / sqrt(sum w^2)``) are not linear in the weights and dropped ids
-leave no trace of which were dropped: both are refused. Under ``torch.compile`` this
-path runs eagerly (a graph break; ``fullgraph=True`` says so).
+leave no trace of which were dropped: both are refused. The rows' read and the
+gradient are two ops (``sparsecore::kjt_weight_rows``, ``sparsecore::kjt_weight_gradient``)
+of shapes fixed by the KJT's, so a ``torch.compile`` step keeps them in its graph.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -24,6 +25,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from sparsecore.config import SparseCoreEmbeddingConfig
 from sparsecore.errors import InputError
 from sparsecore.stacking import StackSpec
+from sparsecore.traced_preprocess import KEY_SEPARATOR, registered
 
 
 def trainable_weights(features: object) -> torch.Tensor | None:
@@ -77,58 +79,105 @@ def check_trainable(configs: Sequence[SparseCoreEmbeddingConfig], allow_id_dropp
                          f"linear in the weights; use sum or mean pooling to train them")
 
 
-def weight_gradient(features: KeyedJaggedTensor, configs: Sequence[SparseCoreEmbeddingConfig],
-                    stacks: Sequence[StackSpec], tables: Mapping[str, torch.Tensor]
-                    ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The gradient of ``features``' weights given that of the pooled (B, sum of dims) output;
-    ``tables``: each stack's physical table. The rows are read now, as the lookup read them: a
-    module called twice before one backward steps its rows in the later call's backward, which
-    runs first."""
-    slots = _slots(configs, stacks)
-    weights = features.weights()
-    batch = features.stride()
-    keys = features.keys()
-    offsets = features.offset_per_key()
-    values = features.values()
-    lengths = features.lengths().view(len(keys), batch) if keys else features.lengths()
-    parts = []  # per feature with ids: (start, end, rows read, bag of each id, columns, scale)
-    for k, feature in enumerate(keys):
-        start, end = offsets[k], offsets[k + 1]
-        if start == end:
-            continue
-        slot = slots[feature]
-        table = tables[slot.stack.name]
-        ids = values[start:end].to(table.device, torch.long)
-        bag_lengths = lengths[k].to(table.device, torch.long)
-        bags = torch.repeat_interleave(torch.arange(batch, device=table.device), bag_lengths)
-        rows = table.index_select(0, slot.stack.physical_row(slot.table.name, ids)).float()
-        scale = 1.0 / bag_lengths.index_select(0, bags) if slot.table.combiner_name == "mean" else None
-        parts.append((start, end, rows, bags, slot.column, slot.table.embedding_dim, scale))
+@dataclasses.dataclass(frozen=True)
+class _Entries:
+    """One feature's ids within the KJT's values: ``values[start:end]``, bags of ``lengths``."""
 
-    def gradient(grad: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(weights.shape, dtype=torch.float32, device=grad.device)
-        for start, end, rows, bags, column, dim, scale in parts:
-            dots = (rows * grad[:, column:column + dim].index_select(0, bags)).sum(1)
-            out[start:end] = dots if scale is None else dots * scale
-        return out.to(weights.device, weights.dtype)
+    start: int
+    end: int
+    lengths: torch.Tensor
+    slot: _Slot
 
-    return gradient
+
+def _entries(lengths: torch.Tensor, keys: str, stride: int, module: str) -> list[_Entries]:
+    """The KJT's features that hold ids (``keys`` joined by KEY_SEPARATOR), for the module
+    registered as ``module``."""
+    owner = registered(module)
+    slots = _slots(owner.table_configs, owner.stacks)
+    names = keys.split(KEY_SEPARATOR) if keys else []
+    per_feature = lengths.view(len(names), stride).long() if names else lengths.long()
+    out, start = [], 0
+    for name, bag_lengths, count in zip(names, per_feature, per_feature.sum(1).tolist()):
+        if count:
+            out.append(_Entries(start, start + count, bag_lengths, slots[name]))
+        start += count
+    return out
+
+
+def _widest(module: str) -> int:
+    return max(t.embedding_dim for t in registered(module).table_configs)
+
+
+@torch.library.custom_op("sparsecore::kjt_weight_rows", mutates_args=())
+def kjt_weight_rows(values: torch.Tensor, lengths: torch.Tensor, tables: list[torch.Tensor], keys: str,
+                    stride: int, module: str) -> torch.Tensor:
+    """Per id of the KJT, the fp32 row it looks up, zero-padded to the widest table's dim:
+    (ids, widest dim), on the tables' device. ``tables``: the module's stacks' physical
+    tables in order; ``module``: its registered key (sparsecore.traced_preprocess)."""
+    owner = registered(module)
+    stack_tables = dict(zip((s.name for s in owner.stacks), tables))
+    device = tables[0].device
+    rows = torch.zeros((values.numel(), _widest(module)), dtype=torch.float32, device=device)
+    for part in _entries(lengths, keys, stride, module):
+        ids = values[part.start:part.end].to(device, torch.long)
+        physical = part.slot.stack.physical_row(part.slot.table.name, ids)
+        rows[part.start:part.end, :part.slot.table.embedding_dim] = stack_tables[part.slot.stack.name].index_select(
+            0, physical).float()
+    return rows
+
+
+@kjt_weight_rows.register_fake
+def _kjt_weight_rows_fake(values, lengths, tables, keys, stride, module):
+    return torch.empty((values.shape[0], _widest(module)), dtype=torch.float32, device=tables[0].device)
+
+
+@torch.library.custom_op("sparsecore::kjt_weight_gradient", mutates_args=())
+def kjt_weight_gradient(grad: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor, keys: str, stride: int,
+                        module: str) -> torch.Tensor:
+    """Per id, the gradient of its weight given ``grad``, that of the pooled (B, sum of dims)
+    output: ``scale * <grad of its bag's columns, its row>`` over ``rows`` (kjt_weight_rows)."""
+    out = torch.zeros(rows.shape[0], dtype=torch.float32, device=grad.device)
+    for part in _entries(lengths, keys, stride, module):
+        bag_lengths = part.lengths.to(grad.device)
+        bags = torch.repeat_interleave(torch.arange(stride, device=grad.device), bag_lengths)
+        dim, column = part.slot.table.embedding_dim, part.slot.column
+        dots = (rows[part.start:part.end, :dim].to(grad.device)
+                * grad[:, column:column + dim].float().index_select(0, bags)).sum(1)
+        if part.slot.table.combiner_name == "mean":
+            dots = dots / bag_lengths.index_select(0, bags)
+        out[part.start:part.end] = dots
+    return out
+
+
+@kjt_weight_gradient.register_fake
+def _kjt_weight_gradient_fake(grad, rows, lengths, keys, stride, module):
+    return torch.empty(rows.shape[0], dtype=torch.float32, device=grad.device)
 
 
 class _WeightGradient(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, values: torch.Tensor, weights: torch.Tensor,
-                gradient: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        ctx.gradient = gradient
+    def forward(ctx, values: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor,
+                keys: str, stride: int, module: str) -> torch.Tensor:
+        ctx.save_for_backward(rows, lengths)
+        ctx.keys, ctx.stride, ctx.module = keys, stride, module
+        ctx.weights_dtype, ctx.weights_device = weights.dtype, weights.device
         return values.view_as(values)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, ctx.gradient(grad), None
+        rows, lengths = ctx.saved_tensors
+        gradient = torch.ops.sparsecore.kjt_weight_gradient(grad, rows, lengths, ctx.keys, ctx.stride, ctx.module)
+        return grad, gradient.to(ctx.weights_device, ctx.weights_dtype), None, None, None, None, None
 
 
-def with_weight_gradient(values: torch.Tensor, weights: torch.Tensor,
-                         gradient: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``values`` (the pooled output), through a node whose backward also gives ``weights``
-    their gradient ``gradient(grad of values)``."""
-    return _WeightGradient.apply(values, weights, gradient)
+def with_weight_gradient(values: torch.Tensor, features: KeyedJaggedTensor, tables: Sequence[torch.Tensor],
+                         module: str) -> torch.Tensor:
+    """``values``, the pooled output of ``features`` by the module registered as ``module``
+    (its stacks' ``tables``), through a node whose backward also gives the KJT's weights their
+    gradient. The rows are read now, as the lookup read them: a module called twice before
+    one backward steps its rows in the later call's backward, which runs first. Both halves
+    are ops of fixed shapes given the KJT's, so a compiled step keeps them in its graph."""
+    keys = KEY_SEPARATOR.join(features.keys())
+    rows = kjt_weight_rows(features.values(), features.lengths(), list(tables), keys, features.stride(), module)
+    return _WeightGradient.apply(values, features.weights(), rows, features.lengths(), keys, features.stride(),
+                                 module)

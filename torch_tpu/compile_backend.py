@@ -9,7 +9,10 @@ shape signature seen, at its first call, up to ``MAX_SPECIALIZATIONS``; past
 that it warns once and runs new shapes op by op (uncompiled), so a loop over
 ever-changing shapes never compiles without bound. A graph whose symbolic
 sizes reach only ops that run as they are (a KJT's ids, which vary with every
-batch, into SparseCore's preprocessing) is compiled once for all sizes.
+batch, into SparseCore's preprocessing) is compiled once for all sizes; so is
+one whose symbolic sizes are those of flat inputs only (a KJT's ids, weights
+and lengths, say, into TorchRec's position weighting): the ops of those sizes
+run as they are, the rest is compiled.
 
 Registered with Dynamo by the ``torch_dynamo_backends`` entry point, so
 importing torch_tpu does not import Dynamo.
@@ -70,13 +73,6 @@ def _aot_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwar
     return backend(gm, example_inputs, **kwargs)
 
 
-def _is_symbolic(value: Any) -> bool:
-    if isinstance(value, torch.SymInt):
-        return True
-    return isinstance(value, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in (*value.shape,
-                                                                                         *value.stride()))
-
-
 def _signature(args: Sequence[Any]) -> tuple:
     return tuple((tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a
                  for a in args)
@@ -111,20 +107,30 @@ def _symbolic_sizes_reach_compiled_ops(gm: torch.fx.GraphModule) -> bool:
     none does, the symbolic sizes end at ops run as they are (custom ops: say, SparseCore's
     preprocessing of a KJT, whose ids per batch vary and whose buffers do not), so one
     compile serves every size."""
-    def value(node: torch.fx.Node) -> Any:
-        return node.meta.get("example_value", node.meta.get("val"))
-
     def compiled(node: torch.fx.Node) -> bool:
         # Dynamo's graph calls tensor methods (x.sum()) and modules too: all compiled.
         return node.op in ("call_method", "call_module") or (node.op == "call_function" and inductor.compilable(node))
 
-    return any(compiled(node) and any(_is_symbolic(value(n)) for n in (node, *node.all_input_nodes))
-               for node in gm.graph.nodes)
+    return any(compiled(node) and inductor.reaches_symbolic_size(node) for node in gm.graph.nodes)
+
+
+def _sizes_vary_in_ids_only(gm: torch.fx.GraphModule) -> bool:
+    """Whether only flat inputs have symbolic sizes: a KJT's ids, weights and lengths, whose
+    counts vary from batch to batch, while batch-shaped inputs (dense features: two or more
+    dimensions) keep theirs. Read off the graph's inputs as traced: the example inputs
+    Dynamo hands over are real tensors."""
+    inputs = (n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder")
+    return not any(isinstance(x, torch.Tensor) and x.dim() > 1 and inductor.is_symbolic(x) for x in inputs)
 
 
 def tpu_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
     """The Dynamo backend: AOTAutograd with Inductor-on-tpu for every graph."""
-    if any(_is_symbolic(x) for x in example_inputs) and _symbolic_sizes_reach_compiled_ops(gm):
+    if any(inductor.is_symbolic(x) for x in example_inputs) and _symbolic_sizes_reach_compiled_ops(gm):
+        if _sizes_vary_in_ids_only(gm):
+            # A compile per id count would be one per batch: the ops of those sizes (say,
+            # position weights) run as they are, the rest compiles once (inductor.compile_graph).
+            logger.info("graph with symbolic id counts: compiled once around their ops")
+            return _aot_compile(gm, example_inputs, **kwargs)
         logger.info("graph with symbolic shapes: compiled per shape signature at first call")
         return ShapeSpecializations(gm)
     return _aot_compile(gm, example_inputs, **kwargs)

@@ -172,6 +172,20 @@ def shape_of(x: Any) -> Any:
     return x
 
 
+def is_symbolic(value: Any) -> bool:
+    """Whether ``value`` is a symbolic size or a tensor with one in its sizes or strides."""
+    if isinstance(value, torch.SymInt):
+        return True
+    return isinstance(value, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in (*value.shape,
+                                                                                         *value.stride()))
+
+
+def reaches_symbolic_size(node: torch.fx.Node) -> bool:
+    """Whether ``node`` reads or makes a value of symbolic size (Dynamo's graphs record
+    values as ``example_value``, AOTAutograd's as ``val``)."""
+    return any(is_symbolic(n.meta.get("example_value", n.meta.get("val"))) for n in (node, *node.all_input_nodes))
+
+
 def _tpu_indices(value: Any) -> set[int]:
     """The tpu devices of the tensors and devices in ``value`` (nested); a tpu device without
     an index is the current one, as a factory given it would use."""
@@ -550,6 +564,14 @@ def compile_graph(
         # capture_scalar_outputs): the host copy's compile cannot rebind them.
         logger.info("graph runs op by op: sizes that depend on tensor values")
         return gm
+    if any(reaches_symbolic_size(n) for n in gm.graph.nodes if n.op == "call_function"):
+        # Compiles are for static shapes (torch_tpu.compile_backend hands over symbolic
+        # graphs only when their symbolic sizes are ids counts): the ops of those sizes
+        # run as they are, the rest is compiled once for every size.
+        split = compile_around(gm, choose)
+        logger.info("graph with symbolic sizes: %s", "compiled around their ops" if split is not None
+                    else "runs op by op")
+        return gm if split is None else split
     # Inductor's wrapper would assert every input's sizes and strides with a Python call
     # each: 140 calls a step on a small-op training step's three graphs, 2% of its time.
     layouts = input_layouts(example_inputs, _unread_inputs(gm))
@@ -622,8 +644,9 @@ def reinplace_mutating_ops(gm: torch.fx.GraphModule) -> None:
 def compile_around(gm: torch.fx.GraphModule, choose: bool = True) -> torch.fx.GraphModule | None:
     """``gm`` split at the nodes that cannot be compiled with tpu semantics
     (custom ops, higher-order ops, unmapped fp32 matmuls, moves between tpu
-    devices): they run op by op, each run of compilable nodes between them on
-    one tpu device is compiled. None when no run is worth compiling."""
+    devices) or for static shapes (symbolic sizes): they run op by op, each run
+    of compilable nodes between them on one tpu device is compiled. None when
+    no run is worth compiling."""
     from torch.fx.passes.split_module import split_module
 
     reinplace_mutating_ops(gm)
@@ -634,7 +657,8 @@ def compile_around(gm: torch.fx.GraphModule, choose: bool = True) -> torch.fx.Gr
         if node.op != "call_function":
             continue
         devices = node_devices(node)
-        ok = _compilable_op(node) and len(devices) <= 1  # compilable(node), its devices read once
+        # compilable(node), its devices read once, and of static sizes
+        ok = _compilable_op(node) and len(devices) <= 1 and not reaches_symbolic_size(node)
         moved = bool(devices) and device is not None and devices != {device}
         if not ok or previous_ok is not True or moved:
             current, device = current + 1, None

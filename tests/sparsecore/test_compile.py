@@ -5,7 +5,7 @@ CPU compile's to take)."""
 
 import pytest
 import torch
-from torchrec import EmbeddingBagConfig
+from torchrec import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from sparsecore import InputError, SparseCoreEmbeddingConfig, optim
@@ -221,3 +221,54 @@ def test_a_copied_module_compiled_on_kjts_trains_itself_not_the_original():
     step(random_kjt(DLRM_TABLES, batch=3)).backward()
     assert all(torch.equal(v, before[k]) for k, v in original.state_dict().items())
     assert any(not torch.equal(v, before[k]) for k, v in copied.state_dict().items())
+
+
+def test_position_weighted_features_train_under_fullgraph_compile_as_eager(monkeypatch):
+    """TorchRec's position-weighted features (weights made from a parameter, so they need
+    a gradient) over the engine, under torch.compile(backend="tpu", fullgraph=True): the
+    weights' gradient is two ops of the graph, so nothing breaks it; losses, position
+    weights and tables match eager's as the ids per batch vary, with no compile per batch."""
+    import copy
+
+    from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+
+    tables = [EmbeddingBagConfig(name="t", num_embeddings=30, embedding_dim=8, feature_names=["a", "b"]),
+              EmbeddingBagConfig(name="u", num_embeddings=20, embedding_dim=4, feature_names=["c"],
+                                 pooling=PoolingType.MEAN)]
+    torch.manual_seed(0)
+    positions = PositionWeightedModuleCollection({"a": 6, "b": 6, "c": 6})
+    with torch.no_grad():
+        for p in positions.parameters():
+            p.uniform_(0.5, 1.5)
+    engine = SparseCoreEmbeddingBagCollection(tables, optim.Adagrad(lr=0.1), device="tpu", is_weighted=True)
+    models = [FeatureProcessedEmbeddingBagCollection(copy.deepcopy(engine), copy.deepcopy(positions).to("tpu"))
+              for _ in range(2)]
+    optimizers = [torch.optim.SGD(m._feature_processors.parameters(), lr=0.5) for m in models]
+    splits = record_splits(monkeypatch.setattr)
+
+    def step(model, kjt):
+        return model(kjt).values().square().sum()
+
+    steps = [step, torch.compile(step, backend="tpu", fullgraph=True)]
+    batches = [random_kjt(tables, batch=5, seed=seed, max_len=6).to("tpu") for seed in range(6)]
+    assert len({kjt.values().numel() for kjt in batches}) > 3  # the ids per batch vary
+    losses = [[], []]
+    for kjt in batches:
+        for i in range(2):
+            loss = steps[i](models[i], kjt)
+            optimizers[i].zero_grad()
+            loss.backward()
+            optimizers[i].step()
+            losses[i].append(float(loss.detach()))
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    eager, compiled = (dict(m._feature_processors.named_parameters()) for m in models)
+    for name, p in eager.items():
+        assert not torch.equal(p.detach().cpu(), dict(positions.named_parameters())[name])  # they trained
+        torch.testing.assert_close(compiled[name].detach().cpu(), p.detach().cpu(), rtol=1e-5, atol=1e-6)
+    for t in tables:
+        torch.testing.assert_close(models[1]._embedding_bag_collection.table_weight(t.name).cpu(),
+                                   models[0]._embedding_bag_collection.table_weight(t.name).cpu(),
+                                   rtol=1e-5, atol=1e-6)
+    assert 2 <= len(splits) <= 4, len(splits)  # static, then dynamic: forward and backward of each
+    assert all(has_compiled_segment(split) for split in splits), splits  # the static ops compiled

@@ -135,7 +135,7 @@ def test_weights_whose_gradient_cannot_be_given_are_refused(case):
                              weights=w.detach()))
 
 
-def test_compiled_steps_train_the_weights_eagerly_with_the_same_numbers():
+def test_compiled_steps_train_the_weights_with_the_same_numbers():
     torch.manual_seed(0)
     eager = SparseCoreEmbeddingBagCollection(TABLES, optim.SGD(lr=0.1), device="tpu", is_weighted=True)
     traced = copy.deepcopy(eager)
