@@ -308,13 +308,14 @@ class SparseCoreCollection(nn.Module):
                                 ) -> tuple[PreprocessedBatch, dict[str, torch.Tensor]]:
         """The batch and, for a KJT, the pooled stacks' rows looked up while it is preprocessed
         (detached; the rest are looked up from the batch). A traced step keeps the two apart:
-        its lookups are ops of the graph, its preprocessing one opaque op (for a pooled module)."""
+        its lookups are ops of the graph, its preprocessing one opaque op (but for tables with a
+        max_seq_len)."""
         if torch.compiler.is_exporting() and isinstance(features, KeyedJaggedTensor):
             raise InputError("an exported program takes its batch preprocessed (module.preprocess(kjt)), not a "
                              "KeyedJaggedTensor: host preprocessing is not part of the program, as a TPU's infeed "
                              "is not")
-        if (torch.compiler.is_compiling() and self._pooled and isinstance(features, KeyedJaggedTensor)
-                and self._device.type != "meta"):
+        if (torch.compiler.is_compiling() and isinstance(features, KeyedJaggedTensor) and self._device.type != "meta"
+                and all(t.max_seq_len is None for t in self._configs)):
             return traced_batch(self, features, self._traced_key, self._device), {}
         if isinstance(features, PreprocessedBatch) or torch.compiler.is_compiling() or self._device.type == "meta":
             return self._batch_of(features), {}

@@ -178,7 +178,7 @@ class SparseCoreEmbeddingCollection(SparseCoreCollection):
         result: dict[str, JaggedTensor] = {}
         for stack in self._stacks:
             out = outputs[stack.name]
-            counts = [int(batch.lengths[f].sum()) for f in stack.feature_names]
+            counts = [batch.id_count(f) for f in stack.feature_names]
             # One split per stack: its backward is one concatenation.
             for feature, values in zip(stack.feature_names, torch.split(out, counts)):
                 result[feature] = JaggedTensor(values=values, lengths=batch.lengths[feature].to(out.device))

@@ -101,6 +101,15 @@ class PreprocessedBatch:
     """Per stack name: its COO buffers."""
     lengths: dict[str, torch.Tensor]
     """Per sequence feature: ids kept per sample (after max_seq_len)."""
+    id_counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Per sequence feature, its ids kept (its lengths' sum), where known without reading the
+    lengths: in a batch preprocessed inside a compiled graph (sparsecore.traced_preprocess),
+    where they are the KJT's ``length_per_key``. Empty otherwise."""
+
+    def id_count(self, feature: str) -> int:
+        """The ids kept of a sequence feature: its output's rows."""
+        count = self.id_counts.get(feature)
+        return int(self.lengths[feature].sum()) if count is None else count
 
     @property
     def stats(self) -> dict[str, PartitionStats]:

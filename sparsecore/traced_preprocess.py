@@ -1,7 +1,6 @@
 """Host preprocessing of a KJT inside a ``torch.compile`` graph.
 
-A pooled module called with a raw KeyedJaggedTensor in a traced step
-preprocesses it with one opaque op, ``sparsecore::preprocess_kjt``, instead of
+A module called with a raw KeyedJaggedTensor in a traced step preprocesses it with one opaque op, ``sparsecore::preprocess_kjt``, instead of
 tracing the preprocessing's Python (whose id checks and limit counts read
 tensor values: a graph break at each, and an error under ``fullgraph=True``).
 The op runs the eager preprocessing unchanged - every check and error, the
@@ -9,7 +8,9 @@ module's observed limits and dropped ids - and returns each stack's COO
 buffers padded to a width fixed by the stack's limits, as a TPU's infeed
 buffers are: the graph's shapes never depend on the ids, so the step compiles
 once whatever the batches hold. The kernels walk the row pointers' groups and
-never visit the padding.
+never visit the padding. A sequence module's output has a row per id: its
+sizes are the KJT's id counts per feature (``length_per_key``), which Dynamo
+makes symbolic once they vary, as it does for TorchRec's EmbeddingCollection.
 
 The op takes the module as a string key (``register``), since an op's schema
 holds no Python objects.
@@ -94,16 +95,27 @@ def _preprocess_kjt_fake(values, lengths, weights, keys, stride, module, device)
 
 def traced_batch(module: "SparseCoreCollection", kjt: KeyedJaggedTensor, key: str,
                  device: torch.device) -> PreprocessedBatch:
-    """The PreprocessedBatch of ``kjt`` for ``module`` (a pooled one), through the op: what a
-    traced forward looks up. Its stacks carry no statistics (``stats`` None): the op observes
-    them into the module when it runs."""
+    """The PreprocessedBatch of ``kjt`` for ``module``, through the op: what a traced forward
+    looks up. Its stacks carry no statistics (``stats`` None): the op observes them into the
+    module when it runs. A sequence module's tables keep every id (no ``max_seq_len``: the
+    ids kept would be counted from the lengths' values)."""
     weights = kjt.weights_or_none() if module.is_weighted() else None
     buffers = preprocess_kjt(kjt.values(), kjt.lengths(), None if weights is None else weights.detach(),
                              KEY_SEPARATOR.join(kjt.keys()), kjt.stride(), key, device)
-    stacks = {}
+    stacks, lengths, per_key = {}, {}, {}
+    if not all(stack.is_pooled for stack in module.stacks):
+        # A sequence stack's output has a row per id: its size is the features' id counts,
+        # which Dynamo makes symbolic sizes of the graph as TorchRec's EmbeddingCollection's.
+        per_key = dict(zip(kjt.keys(), kjt.length_per_key()))
+        lengths = dict(zip(kjt.keys(), kjt.lengths().view(len(kjt.keys()), kjt.stride())))
     for i, stack in enumerate(module.stacks):
         row_pointers, embedding_ids, sample_ids, gains = buffers[4 * i:4 * i + 4]
+        if stack.is_pooled:
+            num_bags, batch_size = len(stack.feature_names) * kjt.stride(), kjt.stride()
+        else:
+            num_bags = batch_size = sum(per_key[f] for f in stack.feature_names)
         stacks[stack.name] = StackBatch(row_pointers=row_pointers, embedding_ids=embedding_ids, sample_ids=sample_ids,
-                                        gains=gains, num_bags=len(stack.feature_names) * kjt.stride(),
-                                        batch_size=kjt.stride(), stats=None)
-    return PreprocessedBatch(batch_size=kjt.stride(), stacks=stacks, lengths={})
+                                        gains=gains, num_bags=num_bags, batch_size=batch_size, stats=None)
+    sequence = [f for s in module.stacks if not s.is_pooled for f in s.feature_names]
+    return PreprocessedBatch(batch_size=kjt.stride(), stacks=stacks, lengths={f: lengths[f] for f in sequence},
+                             id_counts={f: per_key[f] for f in sequence})

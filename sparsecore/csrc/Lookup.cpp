@@ -105,7 +105,7 @@ at::Tensor lookup(const at::Tensor& weight, const at::Tensor& row_pointers,
 
 TORCH_LIBRARY_FRAGMENT(sparsecore, m) {
   m.def("lookup(Tensor weight, Tensor row_pointers, Tensor embedding_ids, Tensor sample_ids, "
-        "Tensor gains, int num_bags, int batch_size) -> Tensor");
+        "Tensor gains, SymInt num_bags, SymInt batch_size) -> Tensor");
   m.impl("lookup", c10::DispatchKey::CPU, TORCH_FN(lookup));
   m.impl("lookup", c10::DispatchKey::PrivateUse1, TORCH_FN(lookup));
 }

@@ -418,12 +418,12 @@ void apply_rows(const at::Tensor& weight, at::TensorList state, const at::Tensor
 
 TORCH_LIBRARY_FRAGMENT(sparsecore, m) {
   m.def("backward_update(Tensor(a!) weight, Tensor(b!)[] state, Tensor(c!) step, Tensor grad_output, "
-        "Tensor row_pointers, Tensor embedding_ids, Tensor sample_ids, Tensor gains, int batch_size, int optimizer, "
+        "Tensor row_pointers, Tensor embedding_ids, Tensor sample_ids, Tensor gains, SymInt batch_size, int optimizer, "
         "Tensor hyper) -> ()");
   m.impl("backward_update", c10::DispatchKey::CPU, TORCH_FN(backward_update));
   m.impl("backward_update", c10::DispatchKey::PrivateUse1, TORCH_FN(backward_update));
   m.def("row_gradients(Tensor grad_output, Tensor row_pointers, Tensor embedding_ids, Tensor sample_ids, "
-        "Tensor gains, int batch_size, int rows_per_sparsecore) -> (Tensor, Tensor)");
+        "Tensor gains, SymInt batch_size, int rows_per_sparsecore) -> (Tensor, Tensor)");
   m.impl("row_gradients", c10::DispatchKey::CPU, TORCH_FN(row_gradients));
   m.impl("row_gradients", c10::DispatchKey::PrivateUse1, TORCH_FN(row_gradients));
   m.def("apply_rows(Tensor(a!) weight, Tensor(b!)[] state, Tensor(c!) step, Tensor rows, Tensor grads, "

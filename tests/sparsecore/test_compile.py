@@ -272,3 +272,43 @@ def test_position_weighted_features_train_under_fullgraph_compile_as_eager(monke
                                    rtol=1e-5, atol=1e-6)
     assert 2 <= len(splits) <= 4, len(splits)  # static, then dynamic: forward and backward of each
     assert all(has_compiled_segment(split) for split in splits), splits  # the static ops compiled
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "tpu"])
+def test_sequence_collections_train_on_raw_kjts_under_fullgraph_compile_as_eager(backend, monkeypatch):
+    """A SparseCoreEmbeddingCollection called with a raw KJT inside torch.compile(fullgraph=True),
+    as TorchRec's EmbeddingCollection compiles: the preprocessing is the graph's op, the
+    output's rows per feature are the KJT's id counts (symbolic sizes once they vary), and
+    outputs, tables and observed limits match eager's with no compile per batch."""
+    import copy
+
+    from torchrec import EmbeddingConfig
+
+    from sparsecore.modules import SparseCoreEmbeddingCollection
+
+    tables = [EmbeddingConfig(name="t", num_embeddings=40, embedding_dim=8, feature_names=["a", "b"]),
+              EmbeddingConfig(name="u", num_embeddings=25, embedding_dim=4, feature_names=["c"])]
+    torch.manual_seed(0)
+    eager = SparseCoreEmbeddingCollection(tables, optim.Adam(lr=0.05), device="tpu")
+    compiled_module = copy.deepcopy(eager)
+    splits = record_splits(monkeypatch.setattr)
+
+    def loss_fn(module, kjt):
+        out = module(kjt)
+        return sum((out[f].values() * (i + 1)).square().sum() + out[f].lengths().sum() for i, f in enumerate("abc"))
+
+    compiled = torch.compile(loss_fn, backend=backend, fullgraph=True)
+    batches = [random_kjt(tables, batch=5, seed=seed, max_len=5) for seed in range(6)]
+    assert len({tuple(kjt.length_per_key()) for kjt in batches}) > 3  # the ids per feature vary
+    for kjt in batches:
+        loss = compiled(compiled_module, kjt)
+        loss.backward()
+        expected = loss_fn(eager, kjt)
+        expected.backward()
+        torch.testing.assert_close(loss.detach().cpu(), expected.detach().cpu(), rtol=1e-5, atol=1e-5)
+    for t in tables:
+        torch.testing.assert_close(compiled_module.table_weight(t.name).cpu(), eager.table_weight(t.name).cpu(),
+                                   rtol=1e-5, atol=1e-6)
+    assert compiled_module.observed_limits() == eager.observed_limits()
+    if backend == "tpu":
+        assert 2 <= len(splits) <= 4, len(splits)  # static, then dynamic: forward and backward of each
