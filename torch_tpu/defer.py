@@ -49,6 +49,7 @@ import contextlib
 import logging
 import sys
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -160,8 +161,10 @@ def _dtype_code(dtype: torch.dtype) -> int:
 def _tpu_index(flat: list) -> tuple[int | None, bool]:
     """The tpu device an op's outputs go to - its first tpu tensor's or tpu device
     argument's index (-1: the current device) or None when it involves no tpu
-    memory - and whether it names another device (a transfer off the tpu)."""
-    index, elsewhere = None, False
+    memory - and whether it names another device (a transfer off the tpu, or to
+    another tpu: its output is on another device than the graph's values, so it
+    runs on real memory)."""
+    index, device, elsewhere = None, None, False
     for a in flat:
         if isinstance(a, torch.Tensor):
             # get_device is cheap and -1 for cpu and meta: in torch's CPU build the
@@ -173,8 +176,14 @@ def _tpu_index(flat: list) -> tuple[int | None, bool]:
         elif isinstance(a, torch.device):
             if a.type != "tpu":
                 elsewhere = True
-            elif index is None:
-                index = -1 if a.index is None else a.index
+            elif device is None:
+                device = -1 if a.index is None else a.index
+    if device is None:
+        return index, elsewhere
+    if index is None:
+        return device, elsewhere
+    if device != index and (device >= 0 or torch.accelerator.current_device_index() != index):
+        elsewhere = True
     return index, elsewhere
 
 
@@ -288,6 +297,9 @@ class _Graph:
         # Nodes that are in-place ops on real tensors, run in place (as issued)
         # when the graph runs: their outputs are those tensors.
         self.in_place: set[int] = set()
+        # The threads that recorded them: their version bumps follow the recording,
+        # outside the lock, so may land while another thread runs the graph.
+        self.writers: set[int] = set()
 
     def empty(self) -> bool:
         return not self.nodes and not self.bound
@@ -340,6 +352,9 @@ class _Engine:
         self.repeats = _Repeats()
         self.segments = Segments(4 * MAX_OPS)
         self._holder_base = self._calibrate()
+        # Pending tensors a failed graph left without values (see _salvage): TensorImpl
+        # address -> (the tensor, weakly; why). Ops reading them say why, not "no memory yet".
+        self.lost: dict[int, tuple[weakref.ref, str]] = {}
 
     @staticmethod
     def _calibrate() -> tuple[int, int, int]:
@@ -359,6 +374,8 @@ class _Engine:
         if index is None:
             return func(*args, **kwargs)  # no tpu memory involved: nothing of the graph's to lock
         with self.lock:
+            if self.lost:
+                self._check_lost(flat)
             segments = self.segments
             if segments.eager is not None:
                 if segments.advance_to(func):
@@ -372,6 +389,16 @@ class _Engine:
                     counter = self.stats.sync_points if why.by_design else self.stats.not_recorded
                     counter[str(func)] += 1
                 return self._eager(func, args, kwargs, flat)
+
+    def _check_lost(self, flat: list) -> None:
+        """Raises why, when an argument is a tensor a failed graph left without a value."""
+        lost = self.lost
+        for a in flat:
+            entry = lost.get(a._cdata) if isinstance(a, torch.Tensor) else None
+            if entry is not None and entry[0]() is a:
+                raise RuntimeError(entry[1])
+        for impl in [impl for impl, (ref, _) in lost.items() if ref() is None]:
+            del lost[impl]  # freed: its address may be another tensor's now
 
     def run_eagerly(self, func, args, kwargs):
         """An op of a segment running eagerly: Strict's kernel on real memory."""
@@ -487,6 +514,7 @@ class _Engine:
         node = self._add_node(op, refs_args, refs_kwargs, out_metas, sig)
         if in_place:
             g.in_place.add(node)
+            g.writers.add(threading.get_ident())
         for j, (t, storage) in enumerate(zip(targets, storages)):
             if storage in g.pending_storages:
                 self._write_pending(t, ("v", node, j))
@@ -718,6 +746,10 @@ class _Engine:
         storage = _storage_id(t)
         return t._cdata in g.bound or storage in g.pending_storages or storage in g.write_storages
 
+    def involves(self, t: torch.Tensor) -> bool:
+        """Whether the pending graph reads `t`'s memory, or it is pending or has a pending write."""
+        return self.touches(t) or (t.get_device() >= 0 and _storage_id(t) in self.graph.input_storages)
+
     def _holders(self, entries: list[_Bound]) -> dict[int, tuple[int, int]]:
         """TensorImpl address -> (TensorImpl holders, storage holders) of the entries' tensors, in one call."""
         tensors = [e.tensor for e in entries]
@@ -765,11 +797,12 @@ class _Engine:
             outputs = [b.ref for b in targets]
             self.stats.graphs += 1
             self.stats.materialized_by[reason] += 1
+            errors: list[BaseException] = []
             with _no_dispatch_modes(), torch.no_grad():
                 try:
-                    values, compiled, settled, first_run = self.graphs.run(g, outputs)
-                except Exception:
-                    self._salvage(g, targets, outputs)
+                    values, compiled, settled, first_run = self.graphs.run(g, outputs, errors)
+                except Exception as error:
+                    self._salvage(g, targets, outputs, error)
                     raise
                 if compiled:
                     self.stats.compiled_runs += 1
@@ -777,16 +810,35 @@ class _Engine:
                     self.stats.replayed_runs += 1
                 _fill(targets, values)
                 del values
+            if errors:
+                # Run op by op, the graph went on past the failed op (see deferred_graph.replay):
+                # the rest has Strict's values, its in-place updates ran once.
+                self._interrupted()
+                raise errors[0]
             self.segments.materialized(settled, reason, at_host_boundary, new_graph=first_run)
 
-    def _salvage(self, g: _Graph, targets: list[_Bound], outputs: list[_Ref]) -> None:
-        """A recorded op failed as the graph ran (an index out of range, say: Strict would
-        have raised at the op): the pending tensors that do not depend on it still get their
-        values, as they would have in Strict. Only a graph without in-place nodes is run
-        again for them: its first run wrote nothing."""
+    def _interrupted(self) -> None:
         self.segments.interrupted()  # no segment's timing or plan spans a failed graph
         self.repeats.forget()
+
+    def _salvage(self, g: _Graph, targets: list[_Bound], outputs: list[_Ref], error: Exception) -> None:
+        """A recorded op failed as the graph's runner ran it (compiled, or op by op as its
+        ChoosingRunner measures: both stop at the error; an index out of range, say: Strict
+        would have raised at the op): the pending tensors that do not depend on it still get
+        their values, as they would have in Strict. Only a graph without in-place nodes is run
+        again for them: its first run wrote nothing; one with them may have written some of
+        its real tensors already, and a second run would update them twice - its pending
+        tensors keep no value, which the error says."""
+        self._interrupted()
         if g.in_place:
+            error.add_note(f"DeferAndFuse: this error stopped a graph of {len(g.nodes)} ops that "
+                           "updates tensors in place; its pending tensors were left without values")
+            why = (f"this tpu tensor has no value: the DeferAndFuse graph that was to compute it stopped at "
+                   f"an error of one of its ops ({type(error).__name__}: {error}) after it had updated "
+                   "tensors in place, so it could not be run again for the values the error spared")
+            for b in targets:
+                if b.kind == "base":
+                    self.lost[b.tensor._cdata] = (weakref.ref(b.tensor), why)
             return
         _fill(targets, deferred_graph.replay(g, outputs, errors=[]))
 
@@ -960,7 +1012,7 @@ def reset_stats() -> None:
 def enter_on_this_thread() -> None:
     if getattr(_local, "mode", None) is None:
         eng = engine()
-        materialization_hooks.install(eng.materialize, eng.touches)
+        materialization_hooks.install(eng.materialize, eng.touches, eng.involves)
         _local.mode = DeferAndFuse(eng)
         _local.mode.__enter__()
 

@@ -44,6 +44,9 @@ MIN_COMPILED_OPS = 2  # a graph of one op gains nothing from compiling
 # Graphs are compiled when they recur (their second run): a graph that runs
 # once - a first step that creates optimizer state, a one-off - is not worth it.
 COMPILE_AT_RUN = 2
+# In-place copies into real tensors: Inductor gets a graph wrong that copies a value read
+# from an input into another and then updates that input in place (see copies_an_updated_source).
+COPY_OPS = frozenset([torch.ops.aten.copy_.default, torch.ops.aten._foreach_copy_.default])
 # Graphs that ran once are forgotten past this many (a loop whose graphs never
 # recur would otherwise grow the cache without end), with one warning.
 MAX_ONE_OFF_GRAPHS = 1000
@@ -114,16 +117,18 @@ class Liveness:
 
 
 def replay(graph: Any, outputs: list[tuple], liveness: Liveness | None = None,
-           errors: list[BaseException] | None = None) -> list[torch.Tensor | None]:
+           errors: list[BaseException] | None = None,
+           inputs: list[torch.Tensor] | None = None) -> list[torch.Tensor | None]:
     """The graph's ops run one by one on tpu; values freed after their last use.
 
     ``errors`` (a list): an op that raises does not stop the run; its error is appended,
-    and the values it and the ops reading it would make are None, the others computed."""
+    and the values it and the ops reading it would make are None, the others computed.
+    ``inputs``: the tensors to read for graph.inputs (default: those)."""
     liveness = liveness or Liveness.of(graph)
     node_refs, last_use = liveness.node_refs, liveness.last_use
     keep = set(outputs)
     env: dict[tuple, torch.Tensor] = {}
-    inputs = graph.inputs
+    inputs = graph.inputs if inputs is None else inputs
     lost: set[int] = set()  # nodes that raised or read a value of one that did
 
     def value(r: tuple) -> torch.Tensor:
@@ -201,12 +206,63 @@ def written_inputs(graph: Any) -> list[int]:
     return list(written)
 
 
+def _written_refs(graph: Any, n: int) -> list[tuple]:
+    """The refs in-place node ``n`` writes (its first argument: a tensor or a list)."""
+    first = graph.nodes[n][1][0]
+    return [a.ref for a in (first if isinstance(first, (list, tuple)) else (first,)) if type(a) is Arg]
+
+
+def _inputs_read_by(graph: Any, refs: list[tuple], node_refs: list[list[tuple]]) -> set[int]:
+    """The graph inputs these values are computed from, through any chain of nodes."""
+    inputs: set[int] = set()
+    seen: set[int] = set()
+    stack = list(refs)
+    while stack:
+        r = stack.pop()
+        if r[0] == "i":
+            inputs.add(r[1])
+        elif r[1] not in seen:
+            seen.add(r[1])
+            stack.extend(node_refs[r[1]])
+    return inputs
+
+
+def copies_an_updated_source(graph: Any) -> bool:
+    """Whether an in-place copy into a real tensor takes its value from an input (through any
+    ops) whose memory a later node updates in place. Compiled, such a graph is wrong (upstream
+    Inductor on torch 2.13: plain CPU Inductor compiles the same function wrong): the copy of a plain input (or of a clone, a
+    same-dtype cast) is removed as a no-op, so the destination is written from the source's
+    buffer - after the source's own update, when the source comes first in the graph's inputs.
+    Such a graph runs op by op. Conservative: any chain of ops from the source counts."""
+    copies = sorted(n for n in graph.in_place if graph.nodes[n][0] in COPY_OPS)
+    if not copies:
+        return False
+    # TensorBase's method: torch.Tensor's may be a materialization hook.
+    storages = [torch._C.TensorBase.untyped_storage(t)._cdata if isinstance(t, torch.Tensor) else None
+                for t in graph.inputs]
+    node_refs = [arg_refs(args, kwargs) for _, args, kwargs in graph.nodes]
+    updated_after: set[int] = set()  # storages written by in-place nodes after the one looked at
+    for n in range(len(graph.nodes) - 1, copies[0] - 1, -1):
+        if n in graph.in_place:
+            if n in copies:
+                written = set(_written_refs(graph, n))
+                sources = [r for r in node_refs[n] if r not in written]
+                if any(storages[k] in updated_after for k in _inputs_read_by(graph, sources, node_refs)):
+                    return True
+            updated_after.update(storages[r[1]] for r in _written_refs(graph, n) if r[0] == "i")
+    return False
+
+
 @contextlib.contextmanager
 def versions_kept(tensors: list[torch.Tensor]) -> Iterator[None]:
     """Running a graph leaves the version counters of the real tensors it updates in place
     as they are: recording each update bumped them once already, as Strict's update does,
     and a second bump would fail autograd's check of a view saved in between (a layer's
-    weight.t(), saved before its graph ran the optimizer's update)."""
+    weight.t(), saved before its graph ran the optimizer's update).
+
+    Only for a graph whose in-place updates were all recorded on the running thread: another
+    recording thread bumps a version after the op's recording, outside the graph's lock, so
+    its bump may land during the run and be undone here (see ``unversioned``)."""
     tensors = [t for t in tensors if not t.is_inference()]  # those keep no version
     versions = [t._version for t in tensors]
     try:
@@ -214,6 +270,20 @@ def versions_kept(tensors: list[torch.Tensor]) -> Iterator[None]:
     finally:
         if tensors:
             torch._C._autograd._unsafe_set_version_counter(tensors, versions)
+
+
+def unversioned(inputs: list[torch.Tensor], written: list[int]) -> list[torch.Tensor]:
+    """``inputs`` with the written ones replaced by aliases with version counters of their
+    own: the run then bumps none of the real tensors' versions, and leaves alone the bumps
+    other threads make meanwhile (what versions_kept cannot). An alias costs about an
+    in-place op, so only graphs recorded on other threads pay it."""
+    inputs = list(inputs)
+    alias = torch.ops.torch_tpu._deferred_alias.default
+    for k in written:
+        t = inputs[k]
+        if not t.is_inference():  # those keep no version
+            inputs[k] = alias(t, list(t.shape), list(t.stride()), t.storage_offset())
+    return inputs
 
 
 @dataclass
@@ -248,10 +318,12 @@ class GraphCache:
             raise ValueError(f"{COMPILE_VARIABLE}={mode!r}: expected one of {COMPILE_MODES}")
         return mode
 
-    def run(self, graph: Any, outputs: list[tuple]) -> tuple[list[torch.Tensor], bool, bool, bool]:
+    def run(self, graph: Any, outputs: list[tuple],
+            errors: list[BaseException] | None = None) -> tuple[list[torch.Tensor | None], bool, bool, bool]:
         """The output values, whether the compiled graph produced them, whether
         the graph now runs as it will from now on (_Entry.settled), and whether
-        this was its first run."""
+        this was its first run. ``errors`` (a list): an op run op by op that raises
+        does not stop the run (see replay); a compiled run raises."""
         key = graph_key(graph, outputs)
         entry = self.entries.get(key)
         if entry is None:
@@ -261,14 +333,18 @@ class GraphCache:
         entry.runs += 1
         if entry.written is None:
             entry.written = written_inputs(graph)
-        with versions_kept([graph.inputs[k] for k in entry.written]):
-            values, compiled = self._run(entry, graph, outputs)
+        if entry.written and graph.writers - {threading.get_ident()}:
+            values, compiled = self._run(entry, graph, outputs, errors, unversioned(graph.inputs, entry.written))
+        else:
+            with versions_kept([graph.inputs[k] for k in entry.written]):
+                values, compiled = self._run(entry, graph, outputs, errors, graph.inputs)
         return values, compiled, entry.settled(), entry.runs == 1
 
-    def _run(self, entry: _Entry, graph: Any, outputs: list[tuple]) -> tuple[list[torch.Tensor], bool]:
+    def _run(self, entry: _Entry, graph: Any, outputs: list[tuple], errors: list[BaseException] | None,
+             inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor | None], bool]:
         if entry.runs == COMPILE_AT_RUN:
             mode = self.compile_mode()
-            if mode != "off" and len(graph.nodes) >= MIN_COMPILED_OPS:
+            if mode != "off" and len(graph.nodes) >= MIN_COMPILED_OPS and self._compilable(graph):
                 from torch_tpu import inductor
 
                 gm = to_fx(graph, outputs)
@@ -281,11 +357,19 @@ class GraphCache:
                 else:
                     entry.future = self._executor().submit(self._compile, entry, gm, examples, device)
         if entry.runner is not None:
-            values = entry.runner(*graph.inputs)
+            values = entry.runner(*inputs)
             return list(values), entry.runner.last_ran_compiled
         if entry.liveness is None:
             entry.liveness = Liveness.of(graph)
-        return replay(graph, outputs, entry.liveness), False
+        return replay(graph, outputs, entry.liveness, errors, inputs), False
+
+    @staticmethod
+    def _compilable(graph: Any) -> bool:
+        if copies_an_updated_source(graph):
+            logger.info("DeferAndFuse: a graph of %d ops copies an input it then updates in place: "
+                        "it runs op by op (Inductor would copy the updated value)", len(graph.nodes))
+            return False
+        return True
 
     def _forget_one_offs(self) -> None:
         one_offs = [k for k, e in self.entries.items() if e.runs <= 1]
