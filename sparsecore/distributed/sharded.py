@@ -14,6 +14,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import hashlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -158,6 +159,15 @@ class ShardedSparseCoreCollection(nn.Module):
             optimizers = [e.fused_optimizer for e in self._engines()]
             self._combined_optimizer = optimizers[0] if len(optimizers) == 1 else CombinedOptimizer(optimizers)
         return self._combined_optimizer
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> ShardedSparseCoreCollection:
+        """``nn.Module``'s move (``to``, ``to_empty``): the engines move their state and make
+        new fused optimizers over it, so the combined one is made again from theirs (the old
+        one would read and write the tensors the engines left behind). The learning rate
+        lives in the engines' hyperparameters, which a move keeps."""
+        super()._apply(fn, recurse)
+        self._combined_optimizer = None
+        return self
 
     def observed_limits(self) -> dict[str, dict[str, int]]:
         """Per table, the most ids and distinct ids any SparseCore partition of any rank

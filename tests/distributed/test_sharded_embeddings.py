@@ -524,3 +524,36 @@ def test_a_rank_holding_no_table_gets_an_empty_fused_optimizer_that_schedulers_a
     for trained, restored in zip(results[0]["shards"], results[0]["restored"], strict=True):
         assert (trained[0], trained[2]) == (restored[0], restored[2]) and torch.equal(trained[1], restored[1])
         assert_close(restored[4], trained[4], msg=lambda m: f"{trained[0]} restored state: {m}")
+
+
+def train_after_a_move(rank: int, world: int, plan_json: str, optimizer) -> dict:
+    """fused_optimizer taken before ``to("cpu")`` (so cached), then used after it: for state_dict
+    after training, and for load_state_dict into a second module moved alike."""
+    plan = ShardingPlan.from_json(plan_json)
+    module = shard(make_module(optimizer, "tpu"), plan)
+    assert module.fused_optimizer is not None  # made (and kept) before the move
+    module.to("cpu")
+    for step in range(STEPS):
+        out = module(kjt_of([local_batch(rank, step)]))
+        out.values().backward(output_grad(rank, step, out.values().shape[1]).to(out.values().device))
+    saved = module.fused_optimizer.state_dict()
+    restored = shard(make_module(optimizer, "tpu"), plan)
+    assert restored.fused_optimizer is not None
+    restored.to("cpu")
+    restored.fused_optimizer.load_state_dict(saved)
+    return {"saved": saved["state"], "restored": shard_tuples(restored)}
+
+
+def test_fused_optimizer_follows_the_module_to_another_device():
+    optimizer = optim.Adagrad(lr=0.1)
+    results = assert_all_ok(run_ranks(train_after_a_move, 2, all_on_rank_0().to_json(), optimizer))
+    _, ref = reference(2, optimizer)
+    saved = results[0]["saved"]
+    for t in tables():
+        assert_close(saved[f"embedding_bags.{t.name}.weight"][f"{t.name}.sum"],
+                     ref.table_optimizer_state(t.name)["sum"],
+                     msg=lambda m: f"{t.name}: the saved state is not the trained one: {m}")
+    for table, _, _, _, state in results[0]["restored"]:
+        assert_close(state["sum"], ref.table_optimizer_state(table)["sum"],
+                     msg=lambda m: f"{table}: the loaded state did not reach the module: {m}")
+    assert results[1]["saved"] == {} and results[1]["restored"] == []

@@ -351,6 +351,40 @@ def test_carried_collectives_keep_issue_order_hand_back_the_callers_tensors_and_
         assert_close(r["averages"]["torch.int32"], torch.tensor([2**30 - 1, 3], dtype=torch.int32))
 
 
+def cpu_issue_order(rank: int, world: int) -> dict:
+    # As issue_order_and_futures, with the async gloo collectives on cpu tensors: the later
+    # collectives over the channel, on cpu and on tpu tensors, must wait for them too.
+    big = torch.ones(1 << 16)
+    works = [dist.all_gather([torch.zeros_like(big) for _ in range(world)], big, async_op=True) for _ in range(4)]
+    x = torch.full((4,), float(rank + 1))
+    gathered = [torch.zeros(4) for _ in range(world)]
+    works.append(dist.all_gather(gathered, x, async_op=True))
+    dist.all_reduce(x)
+    for w in works:
+        w.wait()
+    works = [dist.all_gather([torch.zeros_like(big) for _ in range(world)], big, async_op=True) for _ in range(4)]
+    dist.all_reduce(torch.ones(3, device="tpu"))
+    completed = [w.is_completed() for w in works]
+    for w in works:
+        w.wait()
+    works = [dist.all_gather([torch.zeros_like(big) for _ in range(world)], big, async_op=True) for _ in range(4)]
+    all_to_all_columns(torch.zeros(2, world, device="tpu"), torch.ones(2 * world, 1, device="tpu"),
+                       input_split_sizes=[2] * world, output_columns=[[(r, 1)] for r in range(world)])
+    by_columns = [w.is_completed() for w in works]
+    for w in works:
+        w.wait()
+    return {"gathered": [g.clone() for g in gathered], "completed_by_the_tpu_all_reduce": completed,
+            "completed_by_all_to_all_columns": by_columns}
+
+
+def test_async_gloo_collectives_on_cpu_tensors_keep_issue_order():
+    for rank, r in enumerate(assert_all_ok(run_ranks(cpu_issue_order, 2))):
+        assert_close(torch.stack(r["gathered"]), torch.tensor([[1.0] * 4, [2.0] * 4]), rtol=0, atol=0,
+                     msg=lambda m: f"rank {rank}: the all_gather saw the later all_reduce: {m}")
+        assert all(r["completed_by_the_tpu_all_reduce"]), (rank, r["completed_by_the_tpu_all_reduce"])
+        assert all(r["completed_by_all_to_all_columns"]), (rank, r["completed_by_all_to_all_columns"])
+
+
 def strided_on_some_ranks(rank: int, world: int, device: str) -> dict:
     # Odd ranks pass column-major (transposed) views of the same shapes; every carried collective
     # must still meet on one transport and write into the caller's views.
@@ -404,3 +438,57 @@ def test_premul_sum_on_cpu_tensors_works_on_either_transport(transport):
     results = assert_all_ok(run_ranks(premul_sum_on_cpu, 2, env={"TORCH_TPU_DIST_TRANSPORT": transport}))
     for x in results:
         assert_close(x, torch.full((3,), 1.5), rtol=0, atol=0)
+
+
+def premul_sum_reduce_scatter_list_on_cpu(rank: int, world: int) -> dict:
+    inputs = [torch.arange(3.0) + 10 * rank + 100 * chunk for chunk in range(world)]
+    given = [t.clone() for t in inputs]
+    out = torch.zeros(3)
+    dist.reduce_scatter(out, inputs, op=dist._make_nccl_premul_sum(0.25))
+    return {"out": out, "inputs_unchanged": all(torch.equal(a, b) for a, b in zip(inputs, given))}
+
+
+@pytest.mark.parametrize("transport", ["auto", "gloo"])
+def test_premul_sum_list_reduce_scatter_on_cpu_tensors(transport):
+    # The list form is never carried by shared memory: gloo refused PREMUL_SUM on cpu tensors.
+    world = 2
+    results = assert_all_ok(run_ranks(premul_sum_reduce_scatter_list_on_cpu, world,
+                                      env={"TORCH_TPU_DIST_TRANSPORT": transport}))
+    for rank, r in enumerate(results):
+        by_hand = 0.25 * sum(torch.arange(3.0) + 10 * peer + 100 * rank for peer in range(world))
+        assert_close(r["out"], by_hand, rtol=0, atol=0)
+        assert r["inputs_unchanged"], f"rank {rank}: the caller's inputs were scaled"
+
+
+def uncarried_on_cpu(rank: int, world: int, group: dist.ProcessGroup | None) -> dict:
+    x = torch.arange(4.0) + 10 * rank
+    out = {}
+    gathered = [torch.zeros(4) for _ in range(world)]
+    dist.all_gather(gathered, x, group=group)
+    out["all_gather"] = torch.stack(gathered)
+    to_root = [torch.zeros(4) for _ in range(world)] if rank == 0 else None
+    dist.gather(x, to_root, dst=0, group=group)
+    out["gather"] = torch.stack(to_root) if to_root else None
+    scattered = torch.zeros(4)
+    dist.scatter(scattered, [torch.full((4,), float(r)) for r in range(world)] if rank == 0 else None, src=0,
+                 group=group)
+    out["scatter"] = scattered
+    exchanged = [torch.zeros(2) for _ in range(world)]
+    dist.all_to_all(exchanged, [torch.full((2,), float(10 * rank + p)) for p in range(world)], group=group)
+    out["all_to_all"] = torch.stack(exchanged)
+    objects = [None] * world
+    dist.all_gather_object(objects, {"rank": rank}, group=group)
+    out["all_gather_object"] = objects
+    return out
+
+
+def uncarried_against_gloo(rank: int, world: int) -> list[str]:
+    ours = uncarried_on_cpu(rank, world, None)
+    gloo = uncarried_on_cpu(rank, world, dist.new_group(backend="gloo"))
+    return [name for name, value in ours.items()
+            if not (torch.equal(value, gloo[name]) if torch.is_tensor(value) else value == gloo[name])]
+
+
+def test_uncarried_collectives_on_cpu_tensors_give_gloo_s_results():
+    # They go through the tpu kernel (for PREMUL_SUM and issue order): nothing else may change.
+    assert assert_all_ok(run_ranks(uncarried_against_gloo, 2)) == [[], []]

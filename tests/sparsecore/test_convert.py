@@ -5,7 +5,8 @@ import gc
 
 import pytest
 import torch
-from torchrec import EmbeddingBagCollection, EmbeddingCollection, EmbeddingConfig
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+from torchrec.modules.embedding_configs import DataType
 
 from sparsecore import optim
 from sparsecore.config import as_sparsecore_config
@@ -149,3 +150,29 @@ def test_a_suggested_buffer_size_pads_small_batches_to_one_shape():
     assert engine.memory_breakdown()["buffers"] == sum(
         max(s.num_sparsecores ** 2 * (s.max_ids_per_partition * 12 + 4), 250 * 12) for s in engine.stacks)
     assert engine.memory_breakdown()["buffers"] >= unsized
+
+
+def bf16_table(rows: int = 40) -> EmbeddingBagConfig:
+    return EmbeddingBagConfig(name="b", num_embeddings=rows, embedding_dim=8, feature_names=["fb"],
+                              data_type=DataType.BF16)
+
+
+def test_a_bf16_table_is_rounded_as_torchrec_s_sharding_rounds_it():
+    # TorchRec's unsharded module holds the BF16 table in float16; its sharded module's bfloat16
+    # table loads that state dict by rounding to nearest even, which is torch's cast.
+    reference = EmbeddingBagCollection(tables=[bf16_table()])
+    held = reference.embedding_bags["b"].weight.detach()
+    assert held.dtype == torch.float16
+    engine = from_torchrec(reference, device="tpu")
+    assert torch.equal(engine.table_weight("b").cpu(), held.to(torch.bfloat16))
+    back = engine.to_torchrec().embedding_bags["b"].weight.detach()
+    assert torch.equal(back, held.to(torch.bfloat16).to(torch.float16))
+
+
+def test_to_torchrec_refuses_bf16_values_past_float16_s_range():
+    engine = SparseCoreEmbeddingBagCollection([bf16_table(rows=3)], device="tpu")
+    weight = torch.zeros(3, 8)
+    weight[1, 2] = 1e5  # a bfloat16 holds it; TorchRec's float16 table would hold inf
+    engine.set_table_weight("b", weight)
+    with pytest.raises(ValueError, match="cannot hold its 1 values past 65504"):
+        to_torchrec(engine)

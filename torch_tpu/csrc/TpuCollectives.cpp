@@ -569,6 +569,7 @@ void all_to_all_columns(const at::Tensor& output, const at::Tensor& input, c10::
   HostViews views;
   const at::Tensor out = dense_host_view(views, output, "output");
   const at::Tensor in = dense_host_view(views, input, "input");
+  pending_gloo_work().wait(group);  // after the group's async gloo works, as every collective over it
   std::lock_guard<std::mutex> lock(channel->mutex());
   shm::all_to_all_columns(*channel, out, in, output_split_sizes, input_split_sizes,
                           runs_per_peer(output_columns, channel->world(), "output"),

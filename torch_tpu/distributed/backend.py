@@ -11,7 +11,10 @@ shared-memory segment (``shared_memory``), and the collectives the training
 stack lives on — all_reduce, broadcast, all_gather_into_tensor,
 reduce_scatter_tensor, all_to_all_single — go through it, on tpu tensors and
 on cpu ones alike (one rank may pass cpu tensors where another passes tpu
-ones, as gloo allows: both must take the same transport).
+ones, as gloo allows: both must take the same transport). The collectives
+shared memory never carries, on cpu tensors, go through the tpu kernel too
+(``cpu_collectives``): it builds their ``PREMUL_SUM`` and keeps them in the
+group's issue order.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_tpu.distributed import shared_memory
+from torch_tpu.distributed import cpu_collectives, shared_memory
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +52,7 @@ def _bind_local_device() -> None:
 def _create_backend(options: Any, _backend_options: Any = None) -> dist.ProcessGroupGloo:
     """The backend of a new group; ``options`` is torch's ``_DistributedBackendOptions``."""
     torch.ops.torch_tpu._register_collectives()  # once per process
+    cpu_collectives.register()
     _bind_local_device()
     store, rank, world_size = options.store, options.group_rank, options.group_size
     timeout: datetime.timedelta = options.timeout
