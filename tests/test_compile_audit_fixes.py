@@ -96,6 +96,7 @@ def test_an_eval_batch_norm_backward_takes_the_forward_s_empty_statistics(dtype)
 
 def test_an_eval_batch_norm_inference_graph_compiles_unchanged(monkeypatch):
     """Without grad nothing reads the statistics: the graph is compiled as traced, nothing added."""
+    torch._dynamo.reset()  # an earlier test's graph of the same structure would be reused, uncompiled here
     torch.manual_seed(0)
     model = with_running_stats(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())).eval().to("tpu")
     x = torch.randn(2, 3, 8, 8, device="tpu")
@@ -221,6 +222,61 @@ def test_compiled_channels_last_training_equals_strict(make):
         torch.testing.assert_close(got.detach().cpu(), expected.detach().cpu(), rtol=1e-5, atol=1e-5)
     for p, q in zip(mine.parameters(), strict.parameters()):
         torch.testing.assert_close(p.grad.cpu(), q.grad.cpu(), rtol=1e-5, atol=1e-5)
+
+
+def channels_last_slice(*shape, device="cpu"):
+    """A channels_last tensor's slice along the width: channels_last strides, not dense."""
+    x = torch.randn(*shape[:-1], 2 * shape[-1], device=device).contiguous(memory_format=torch.channels_last)
+    return x[..., ::2]
+
+
+@pytest.mark.parametrize("precision", ["medium", "high", "highest"])
+@pytest.mark.parametrize("sliced", ["input", "weight"])
+def test_the_mxu_convolution_of_a_channels_last_slice_lays_out_as_its_meta(precision, sliced):
+    """Medium and high precision round the operands through a copy, which made a slice contiguous."""
+    torch.manual_seed(0)
+    x = channels_last_slice(2, 3, 6, 6) if sliced == "input" else torch.randn(2, 3, 6, 6)
+    w = channels_last_slice(4, 3, 3, 3) if sliced == "weight" else torch.randn(4, 3, 3, 3)
+    args = ([1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    with torch.tpu.precision(precision):
+        real = torch.ops.torch_tpu.mxu_convolution(x, w, None, *args)
+        grads = torch.ops.torch_tpu.mxu_convolution_backward(torch.randn_like(real), x, w, [4], *args,
+                                                              [True, True, False])
+    meta = torch.ops.torch_tpu.mxu_convolution(x.to("meta"), w.to("meta"), None, *args)
+    meta_grads = torch.ops.torch_tpu.mxu_convolution_backward(meta, x.to("meta"), w.to("meta"), [4], *args,
+                                                               [True, True, False])
+    assert real.is_contiguous(memory_format=torch.channels_last)  # as ATen's CPU convolution lays it out
+    assert significant_strides(real) == significant_strides(meta)
+    for r, m in zip(grads[:2], meta_grads[:2]):
+        assert significant_strides(r) == significant_strides(m)
+
+
+@pytest.mark.parametrize("precision", ["medium", "high", "highest"])
+def test_an_eager_convolution_of_a_channels_last_slice_lays_out_as_on_cpu(precision):
+    torch.manual_seed(0)
+    x, w = channels_last_slice(2, 3, 6, 6), torch.randn(4, 3, 3, 3)
+    expected = torch.conv2d(x, w, padding=1)
+    with torch.tpu.precision(precision):
+        got = torch.conv2d(x.to("tpu"), w.to("tpu"), padding=1)
+    assert got.stride() == expected.stride()
+    tolerance = 1e-5 if precision == "highest" else 5e-2  # bf16 operands below highest
+    torch.testing.assert_close(got.cpu(), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("precision", ["medium", "high"])
+def test_a_compiled_convolution_of_a_channels_last_slice_equals_strict(precision):
+    """A graph run on the tpu tensors themselves calls the tpu kernel, which made the slice
+    contiguous, while the compiled code read its output as channels_last."""
+    torch.manual_seed(0)
+    x, w = channels_last_slice(2, 3, 6, 6, device="tpu"), torch.randn(4, 3, 3, 3, device="tpu")
+
+    def f(x, w):
+        return torch.conv2d(x, w, padding=1).relu() * 2
+
+    with torch.tpu.precision(precision):
+        runner = inductor.compile_graph(trace(f, x, w), [x, w], choose=False)
+        expected, got = f(x, w), single(runner(x, w))
+    torch.testing.assert_close(got.cpu(), expected.cpu(), rtol=1e-5, atol=1e-5)
 
 
 def test_compiles_are_tagged_with_the_host_compile_revision(monkeypatch):

@@ -327,6 +327,31 @@ def test_the_runner_keeps_the_faster_variant(faster):
     assert calls[faster] == before[faster] + 1
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_algorithms_keep_a_graph_compiled(deterministic):
+    """While the choice is measured, calls alternate between the variants, whose results
+    may differ by rounding; under torch.use_deterministic_algorithms every call runs the
+    compiled one, so the results never depend on timings."""
+    ran = []
+
+    def variant(name):
+        def run(x):
+            ran.append(name)
+            return x + 1
+        return run
+
+    runner = inductor.ChoosingRunner(variant("compiled"), variant("replay"))
+    x = torch.zeros(2, device="tpu")
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        for _ in range(runner.CALLS_TO_CHOOSE + 2):
+            torch.testing.assert_close(runner(x).cpu(), torch.ones(2))
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert set(ran) == ({"compiled"} if deterministic else {"compiled", "replay"})
+
+
 def test_a_close_choice_is_checked_again_and_a_noisy_start_corrected():
     # The compiled variant's first calls are slowed (a burst of other work, say): op by op is
     # chosen, but the two were within CLOSE, so a later check times compiled at its real speed.

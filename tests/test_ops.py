@@ -830,3 +830,20 @@ def test_record_stream_is_accepted():
     x.record_stream(s)
     torch.tpu.submit(s, lambda: x.mul_(2)).result(timeout=30)
     assert_close(x.cpu(), torch.full((4,), 2.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("affine", [True, False])
+def test_batch_norm_no_update_matches_cpu(dtype, affine):
+    # Its only kernel was composite and called ATen's CPU batch norm directly: on tpu it raised.
+    x, xt = cpu_and_tpu(2, 3, 4, 4, dtype=dtype)
+    gen = torch.Generator().manual_seed(1)
+    weight, bias = (torch.randn(3, generator=gen).to(dtype) if affine else None for _ in range(2))
+    mean, var = torch.randn(3, generator=gen).to(dtype), (torch.rand(3, generator=gen) + 0.5).to(dtype)
+    expected = torch.ops.aten._batch_norm_no_update(x, weight, bias, mean, var, 0.1, 1e-5)
+    on_tpu = [None if t is None else t.to(TPU) for t in (weight, bias, mean, var)]
+    got = torch.ops.aten._batch_norm_no_update(xt, *on_tpu, 0.1, 1e-5)
+    for g, e in zip(got, expected):
+        same(g, e, rtol=0, atol=0)
+    assert_close(on_tpu[2].cpu(), mean, rtol=0, atol=0)  # nothing updated
+    assert_close(on_tpu[3].cpu(), var, rtol=0, atol=0)

@@ -1,9 +1,11 @@
-"""torch.tpu's precision and RNG functions called inside a torch.compile'd function
-behave as in eager on every call: they run as Python at a graph break (traced, the
-precision setter was dropped from the graph after the first call, and the RNG
-functions failed in Dynamo); under fullgraph=True the error names the function."""
+"""torch.tpu's functions of process state (precision, RNG, current device, memory
+statistics, streams) called inside a torch.compile'd function behave as in eager on every
+call: they run as Python at a graph break (traced, the precision setter was dropped from
+the graph after the first call, and the others failed in Dynamo); under fullgraph=True the
+error names the function. Queries of constants (device count, properties) are traced."""
 
 import re
+import time
 
 import pytest
 import torch
@@ -160,3 +162,102 @@ def test_other_calls_run_inside(call):
     x = torch.ones(8, device="tpu")
     compiled = torch.compile(lambda x: (call(), x * 2)[1], backend="aot_eager")
     torch.testing.assert_close(compiled(x), x * 2)
+
+
+def slow_add_one(x):
+    time.sleep(0.1)  # long enough that a graph not waiting for the stream reads x first
+    x.add_(1)
+
+
+@pytest.mark.parametrize("block", ["with s", "with torch.tpu.stream(s)"])
+def test_a_stream_block_runs_after_the_stream_s_work_as_in_eager(block):
+    """``with s:`` on a stream made outside: Dynamo annotates the block's ops with the stream,
+    which Inductor compiled into ``with stream1:`` blocks naming a variable it never defined."""
+    s = torch.tpu.Stream()
+
+    def with_stream(x):
+        with s:
+            y = x * 2 + 1
+        return y.sum(), y
+
+    def with_context(x):
+        with torch.tpu.stream(s):
+            y = x * 2 + 1
+        return y.sum(), y
+
+    fn = with_stream if block == "with s" else with_context
+    compiled = torch.compile(fn, backend="tpu")
+    for _ in range(2):
+        results = []
+        for run in (fn, compiled):
+            x = torch.zeros(64, device="tpu")
+            torch.tpu.submit(s, slow_add_one, x)
+            results.append(run(x))
+        for got, want in zip(results[1], results[0]):
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert results[0][0].item() == 64 * 3  # the block read x after the stream's add
+
+
+@pytest.mark.parametrize("api, call", [
+    ("torch.tpu.set_device", lambda x: torch.tpu.set_device(0)),
+    ("torch.tpu.device", lambda x: torch.tpu.device(0).__enter__()),
+    ("torch.tpu.device", lambda x: torch.tpu.device_of(x).__enter__()),
+    ("torch.tpu.memory_allocated", lambda x: torch.tpu.memory_allocated()),
+    ("torch.tpu.max_memory_allocated", lambda x: torch.tpu.max_memory_allocated()),
+    ("torch.tpu.memory_reserved", lambda x: torch.tpu.memory_reserved()),
+    ("torch.tpu.max_memory_reserved", lambda x: torch.tpu.max_memory_reserved()),
+    ("torch.tpu.memory_stats", lambda x: torch.tpu.memory_stats()),
+    ("torch.tpu.reset_peak_memory_stats", lambda x: torch.tpu.reset_peak_memory_stats()),
+    ("torch.tpu.reset_accumulated_memory_stats", lambda x: torch.tpu.reset_accumulated_memory_stats()),
+    ("torch.tpu.mem_get_info", lambda x: torch.tpu.mem_get_info()),
+    ("torch.tpu.empty_cache", lambda x: torch.tpu.empty_cache()),
+    ("torch.tpu.compile_cache_stats", lambda x: torch.tpu.compile_cache_stats()),
+    ("torch.tpu.current_stream", lambda x: torch.tpu.current_stream()),
+    ("torch.tpu.default_stream", lambda x: torch.tpu.default_stream()),
+    ("torch.tpu.set_stream", lambda x: torch.tpu.set_stream(None)),
+    ("torch.tpu.Stream", lambda x: torch.tpu.Stream()),
+    ("torch.tpu.submit", lambda x: torch.tpu.submit(None, print)),
+    ("torch.tpu.stream", lambda x: torch.tpu.stream(None).__enter__()),
+])
+def test_fullgraph_error_names_the_state_api(api, call):
+    x = torch.ones(4, device="tpu")
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=rf"reason: {re.escape(api)} reads or sets the tpu"):
+        torch.compile(lambda x: (call(x), x * 2)[1], backend="aot_eager", fullgraph=True)(x)
+
+
+def test_memory_statistics_inside_are_read_at_every_call():
+    compiled = torch.compile(lambda x: (torch.tpu.memory_allocated(), x * 2), backend="aot_eager")
+    x = torch.ones(4, device="tpu")
+    before = compiled(x)[0]  # read before the graph allocates, as after the call
+    assert before == torch.tpu.memory_allocated()
+    held = torch.empty(1 << 20, device="tpu")  # 4 MiB
+    assert compiled(x)[0] == before + held.untyped_storage().nbytes()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_device_set_inside_is_the_device_eager_uses(backend):
+    def fn(x):
+        with torch.tpu.device(1):
+            y = torch.ones(2, device="tpu") + 1
+        torch.tpu.set_device(1)
+        z = torch.zeros(2, device="tpu")
+        torch.tpu.set_device(0)
+        return x.sum() + 1, y, z
+
+    x = torch.ones(2, device="tpu")
+    compiled = torch.compile(fn, backend=backend)
+    for _ in range(2):
+        for got, want in zip(compiled(x), fn(x)):
+            assert got.device == want.device
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+        assert torch.tpu.current_device() == 0
+
+
+def test_device_properties_are_traced_as_constants():
+    def fn(x):
+        properties = torch.tpu.get_device_properties()
+        return x * properties.multi_processor_count + properties.total_memory + torch.tpu.device_count()
+
+    x = torch.ones(4, device="tpu")
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), fn(x), atol=0, rtol=0)

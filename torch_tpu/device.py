@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from torch_tpu import _backend, eager
+from torch_tpu.graph_breaks import F, outside_compiled_graphs
 
 _device_t = torch.device | str | int | None
+
+# Host cores, once: get_device_properties is then plain Python a compiled function can trace.
+_HOST_CORES = os.cpu_count() or 1
+
+
+def _sets_current_device(api: str) -> Callable[[F], F]:
+    # Dynamo has torch.accelerator's device setter marked as skipped: traced, it failed with
+    # Dynamo's generic message.
+    return outside_compiled_graphs(api, "current device")
 
 
 def _index(device: _device_t = None) -> int:
@@ -37,6 +48,7 @@ def current_device() -> int:
     return torch.accelerator.current_device_index()
 
 
+@_sets_current_device("torch.tpu.set_device")
 def set_device(device: _device_t) -> None:
     torch.accelerator.set_device_index(_index(device))
 
@@ -82,11 +94,13 @@ class device:
         self.idx = _index(device) if device is not None else -1
         self.prev_idx = -1
 
+    @_sets_current_device("torch.tpu.device")
     def __enter__(self) -> None:
         if self.idx >= 0:
             self.prev_idx = current_device()
             set_device(self.idx)
 
+    @_sets_current_device("torch.tpu.device")
     def __exit__(self, *exc: object) -> None:
         if self.idx >= 0:
             set_device(self.prev_idx)
@@ -138,13 +152,15 @@ def get_device_properties(device: _device_t = None) -> TpuDeviceProperties:
     return TpuDeviceProperties(
         name=get_device_name(idx),
         chip=topo.chip.name,
-        total_memory=torch.ops.torch_tpu._hbm_capacity(),
+        # What _configure set the allocator's capacity to at load, read without calling an op:
+        # a compiled function traces this query (the op's int result failed in Dynamo).
+        total_memory=topo.hbm_bytes,
         chip_hbm_bytes=topo.chip.hbm_bytes,
         hbm_capped=topo.hbm_capped,
         sparsecores_per_chip=topo.chip.sparsecores_per_chip,
         hbm_gbps=topo.chip.hbm_gbps,
         bf16_tflops=topo.chip.bf16_tflops,
-        multi_processor_count=os.cpu_count() or 1,
+        multi_processor_count=_HOST_CORES,
     )
 
 

@@ -36,7 +36,9 @@ first, for both: a convolution laid out channels_last is copied into the
 traced layout (``conform_convolution_layouts``); an eval-mode batch norm's
 saved statistics, empty, are left unread by its backward
 (``drop_eval_batch_norm_statistics``). A graph runs on one tpu device: one whose
-tensors are on several is compiled around the nodes that move between them.
+tensors are on several is compiled around the nodes that move between them. A
+``with stream:`` block's ops run with the rest of the graph, after the streams'
+queued work (``AfterStreams``).
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ CONVOLUTIONS: dict[Any, Any] = {
 # Bumped when what a host graph compiles to changes while its code does not (the MXU ops' Meta
 # kernels, which Inductor's own cache key does not cover): no cache tier, ours or Inductor's,
 # then hands back an entry compiled before.
-HOST_COMPILE_REVISION = 2
+HOST_COMPILE_REVISION = 3
 
 
 class NotCompilable(RuntimeError):
@@ -513,7 +515,11 @@ class ChoosingRunner(TimedChoice):
     """Runs a graph compiled or op by op, whichever measures faster (the
     policy is TimedChoice's: variant 0 compiled, 1 op by op; each timed call
     synchronizes the tpu around it). Both compute the same functional graph,
-    so which ran is invisible to the caller."""
+    to rounding: fused kernels round differently from ATen's, so while the
+    choice is measured the same inputs may give results a few ulps apart, and
+    which variant a run settles on follows its timings. Under
+    ``torch.use_deterministic_algorithms(True)`` the graph always runs
+    compiled, so a call's results never depend on timings."""
 
     def __init__(self, compiled: Callable[..., Any], replay: Callable[..., Any], name: str = "graph") -> None:
         super().__init__(name, ("compiled", "op by op"))
@@ -521,6 +527,9 @@ class ChoosingRunner(TimedChoice):
         self.last_ran_compiled = False
 
     def __call__(self, *args: Any) -> Any:
+        if torch.are_deterministic_algorithms_enabled():
+            self.last_ran_compiled = True
+            return self._variants[0](*args)
         variant, timed = self.next()
         self.last_ran_compiled = variant == 0
         run = self._variants[variant]
@@ -556,6 +565,9 @@ def compile_graph(
     one the graph's tensors are on, ``graph_device``). Rewrites ``gm`` in place
     where tpu kernels would make tensors unlike its traced values (both
     variants run it)."""
+    if take_stream_annotations(gm):
+        runner = compile_graph(gm, example_inputs, choose=choose, tpu_outputs=tpu_outputs, device=device)
+        return AfterStreams(runner, _stream_devices(gm, example_inputs, device))
     # Both variants run ``gm``'s nodes: it must make the tensors its values record first.
     drop_eval_batch_norm_statistics(gm)
     conform_convolution_layouts(gm)
@@ -588,6 +600,50 @@ def compile_graph(
     # A graph drawing random numbers stays with one variant: compiled and op by op draw
     # different streams, and alternating them would break a seed's reproducibility.
     return ChoosingRunner(runner, gm) if choose and not _draws_random_numbers(gm) else runner
+
+
+def take_stream_annotations(gm: torch.fx.GraphModule) -> bool:
+    """Removes the stream annotations Dynamo puts on the nodes of a ``with stream:`` block
+    (``meta["custom"]["stream"]``); returns whether there were any. Inductor would compile
+    them into ``with streamN:`` blocks, whose stream objects only its device-guarded
+    (GPU) wrapper declares: the CPU compile referred to undefined names."""
+    found = False
+    for node in gm.graph.nodes:
+        custom = node.meta.get("custom")
+        if isinstance(custom, dict) and "stream" in custom:
+            del custom["stream"]
+            if not custom:
+                del node.meta["custom"]
+            found = True
+    return found
+
+
+def _stream_devices(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], device: int | None) -> list[int]:
+    """The tpu devices whose streams a graph's stream blocks may be on: its tensors' devices."""
+    found = _tpu_indices(list(example_inputs))
+    if device is not None:
+        found.add(device)
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            found |= node_devices(node)
+    return sorted(found) or [torch.tpu.current_device()]
+
+
+class AfterStreams:
+    """Runs a graph holding ``with stream:`` blocks after the work queued on every stream of
+    its devices. On tpu, ops on a stream run on the calling thread once that stream's queued
+    work is done: a graph runs all of its ops on the calling thread, and waiting for every
+    stream at its start (work cannot be queued while it runs) orders the block's ops after
+    their stream's work, as eager does, whichever stream the block names."""
+
+    def __init__(self, runner: Callable[..., Any], devices: Sequence[int]) -> None:
+        self.runner = runner
+        self.devices = list(devices)
+
+    def __call__(self, *args: Any) -> Any:
+        for index in self.devices:
+            torch.accelerator.synchronize(index)
+        return self.runner(*args)
 
 
 def _draws_random_numbers(gm: torch.fx.GraphModule) -> bool:

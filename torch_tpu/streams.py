@@ -21,11 +21,19 @@ import torch
 
 from torch_tpu import _backend, eager
 from torch_tpu.device import _device_t, _index
+from torch_tpu.graph_breaks import F, outside_compiled_graphs
+
+
+def _streams(api: str) -> Callable[[F], F]:
+    # A stream object is made or looked up by C code Dynamo cannot trace (torch.Stream's
+    # constructor): traced, these failed with Dynamo's generic message.
+    return outside_compiled_graphs(f"torch.tpu.{api}", "streams")
 
 
 class Stream(torch.Stream):
     """A new stream on a tpu device (``torch.tpu.Stream(device=None)``)."""
 
+    @_streams("Stream")
     def __new__(cls, device: _device_t = None, priority: int = 0, **kwargs: Any) -> Stream:
         if kwargs:  # wrapping an existing stream: stream_id, device_index, device_type
             return super().__new__(cls, priority=priority, **kwargs)
@@ -47,15 +55,18 @@ def _wrap(s: torch.Stream) -> Stream:
     return Stream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
 
 
+@_streams("current_stream")
 def current_stream(device: _device_t = None) -> Stream:
     return _wrap(torch.accelerator.current_stream(_index(device)))
 
 
+@_streams("default_stream")
 def default_stream(device: _device_t = None) -> Stream:
     idx = _index(device)
     return Stream(stream_id=0, device_index=idx, device_type=current_stream(idx).device_type)
 
 
+@_streams("set_stream")
 def set_stream(stream: torch.Stream) -> None:
     if stream is not None:
         torch.accelerator.set_stream(stream)
@@ -70,6 +81,9 @@ class StreamContext:
         self.stream = stream
         self.previous: list[torch.Stream] = []  # restored in this order: the device left last
 
+    # Traced, Dynamo split the block's frame at torch.accelerator's stream functions, and under
+    # fullgraph failed on the stream's device index with its generic message.
+    @_streams("stream")
     def __enter__(self) -> torch.Stream | None:
         if self.stream is not None:
             here = torch.accelerator.current_device_index()
@@ -79,6 +93,7 @@ class StreamContext:
             torch.accelerator.set_stream(self.stream)
         return self.stream
 
+    @_streams("stream")
     def __exit__(self, *exc: object) -> None:
         for previous in self.previous:  # set_stream makes the stream's device current
             torch.accelerator.set_stream(previous)
@@ -113,6 +128,7 @@ def _run_task(key: int) -> None:
     task()
 
 
+@_streams("submit")
 def submit(stream: torch.Stream, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
     """Runs ``fn(*args, **kwargs)`` on ``stream`` after the work queued before it.
 

@@ -1,6 +1,6 @@
 """The ``torch.tpu`` module: registered with ``torch._register_device_module``."""
 
-from torch_tpu.compile_cache import compile_cache_stats
+from torch_tpu.compile_cache import compile_cache_stats as _compile_cache_stats
 from torch_tpu.device import (
     TpuDeviceProperties,
     _is_in_bad_fork,
@@ -20,6 +20,7 @@ from torch_tpu.device import (
     set_device,
     synchronize,
 )
+from torch_tpu.graph_breaks import outside_compiled_graphs
 from torch_tpu.memory import (
     empty_cache,
     max_memory_allocated,
@@ -45,6 +46,15 @@ from torch_tpu.random import (
     set_rng_state_all,
 )
 from torch_tpu.streams import Event, Stream, StreamContext, current_stream, default_stream, set_stream, stream, submit
+
+
+@outside_compiled_graphs("torch.tpu.compile_cache_stats", "compile cache")
+def compile_cache_stats() -> dict[str, dict[str, int]]:
+    """Hits and misses per tier of the compile cache since the process started (or the last reset)."""
+    # A wrapper, so the mark stays off compile_cache's own function: it takes a lock, which
+    # Dynamo cannot enter (its generic message, traced).
+    return _compile_cache_stats()
+
 
 # The device initializes on import. torch.cuda's flag, which torch.utils.checkpoint reads to
 # stash and restore the device's RNG state around a recomputed forward (dropout masks).

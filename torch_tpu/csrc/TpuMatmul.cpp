@@ -88,19 +88,24 @@ at::Tensor baddbmm(const at::Tensor& bias, const at::Tensor& a, const at::Tensor
   });
 }
 
+at::Tensor dense_operand(const at::Tensor& t) {
+  return t.is_non_overlapping_and_dense() ? t : t.contiguous(t.suggest_memory_format());
+}
+
 at::Tensor convolution(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                        c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation,
                        bool transposed, c10::IntArrayRef output_padding, int64_t groups) {
-  return on_mxu(input, weight, [&](const at::Tensor& x, const at::Tensor& w, bool rest) {
+  return on_mxu(dense_operand(input), dense_operand(weight), [&](const at::Tensor& x, const at::Tensor& w, bool rest) {
     return at::convolution(x, w, rest ? bias : std::nullopt, stride, padding, dilation, transposed,
                            output_padding, groups);
   });
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward(
-    const at::Tensor& go, const at::Tensor& x, const at::Tensor& w, c10::IntArrayRef stride,
+    const at::Tensor& go, const at::Tensor& input, const at::Tensor& weight, c10::IntArrayRef stride,
     c10::IntArrayRef padding, c10::IntArrayRef dilation, bool transposed, c10::IntArrayRef output_padding,
     int64_t groups, std::array<bool, 3> output_mask) {
+  const at::Tensor x = dense_operand(input), w = dense_operand(weight);
   // grad_input is bilinear in (grad_output, weight), grad_weight in
   // (grad_output, input): one pass per (grad_output, {input, weight}) pair.
   const std::array<bool, 3> mask{output_mask[0], output_mask[1], false};

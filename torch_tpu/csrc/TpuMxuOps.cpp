@@ -66,8 +66,8 @@ at::MemoryFormat cpu_convolution_format(const at::Tensor& input, const at::Tenso
   }
   const bool as_2d = weight.dim() == 3;
   // ATen makes a 1d input contiguous (a stand-in's contiguous() would read it): so here.
-  const at::Tensor x = cpu_geometry(input, /*contiguous=*/as_2d);
-  const at::Tensor w = cpu_geometry(weight, /*contiguous=*/false);
+  const at::Tensor x = cpu_geometry(mxu::dense_operand(input), /*contiguous=*/as_2d);
+  const at::Tensor w = cpu_geometry(mxu::dense_operand(weight), /*contiguous=*/false);
   // No bias: on CPU only its sizes are checked, which the meta function did.
   const auto backend = at::native::select_conv_backend(
       x, w, std::nullopt, c10::fromIntArrayRefSlow(stride), c10::fromIntArrayRefSlow(padding),

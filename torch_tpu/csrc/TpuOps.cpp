@@ -7,6 +7,7 @@
 #include "TpuPrecision.h"
 #include "TpuStream.h"
 
+#include <ATen/ops/_batch_norm_no_update.h>
 #include <torch/library.h>
 
 namespace torch_tpu {
@@ -70,7 +71,36 @@ std::vector<at::Tensor> adopt_host_results_op(const std::vector<at::Tensor>& res
   return adopted;
 }
 
+std::optional<at::Tensor> host_view(HostScope& scope, const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? std::optional<at::Tensor>(scope.view(*t)) : std::nullopt;
+}
+
+at::Tensor or_undefined(const std::optional<at::Tensor>& t) {
+  return t.value_or(at::Tensor());
+}
+
+// aten::_batch_norm_no_update (batch norm with nothing to update: eval mode, or the graphs
+// AOTAutograd traces) has only a composite kernel, which calls ATen's CPU batch norm
+// directly, not through the dispatcher: on tpu tensors it raised. Run on host views, so it
+// gives the CPU kernel's results.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_no_update(
+    const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var,
+    double momentum, double eps) {
+  HostScope scope(common_device("_batch_norm_no_update", {input, or_undefined(weight), or_undefined(bias),
+                                                          or_undefined(running_mean), or_undefined(running_var)}));
+  auto [output, mean, invstd, reserve] = at::_batch_norm_no_update(
+      scope.view(input), host_view(scope, weight), host_view(scope, bias), host_view(scope, running_mean),
+      host_view(scope, running_var), momentum, eps);
+  scope.write_back();
+  return {scope.adopt(output), scope.adopt(mean), scope.adopt(invstd), scope.adopt(reserve)};
+}
+
 } // namespace
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("_batch_norm_no_update", batch_norm_no_update);
+}
 
 TORCH_LIBRARY(torch_tpu, m) {
   m.def("_configure(int num_devices, int hbm_bytes) -> ()", configure_op);
