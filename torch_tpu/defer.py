@@ -158,13 +158,13 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return code
 
 
-def _tpu_index(flat: list) -> tuple[int | None, bool]:
+def _tpu_index(flat: list) -> tuple[int | None, bool, bool]:
     """The tpu device an op's outputs go to - its first tpu tensor's or tpu device
     argument's index (-1: the current device) or None when it involves no tpu
-    memory - and whether it names another device (a transfer off the tpu, or to
+    memory - whether it names another device (a transfer off the tpu, or to
     another tpu: its output is on another device than the graph's values, so it
-    runs on real memory)."""
-    index, device, elsewhere = None, None, False
+    runs on real memory), and whether it names the tpu without an index."""
+    index, device, elsewhere, unindexed = None, None, False, False
     for a in flat:
         if isinstance(a, torch.Tensor):
             # get_device is cheap and -1 for cpu and meta: in torch's CPU build the
@@ -176,15 +176,30 @@ def _tpu_index(flat: list) -> tuple[int | None, bool]:
         elif isinstance(a, torch.device):
             if a.type != "tpu":
                 elsewhere = True
-            elif device is None:
-                device = -1 if a.index is None else a.index
+            else:
+                unindexed = unindexed or a.index is None
+                if device is None:
+                    device = -1 if a.index is None else a.index
     if device is None:
-        return index, elsewhere
+        return index, elsewhere, unindexed
     if index is None:
-        return device, elsewhere
+        return device, elsewhere, unindexed
     if device != index and (device >= 0 or torch.accelerator.current_device_index() != index):
         elsewhere = True
-    return index, elsewhere
+    return index, elsewhere, unindexed
+
+
+def _device_indexed(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The arguments with ``tpu`` devices named by the current device's index: the graph
+    may run under another current device (materialized in or out of a ``torch.tpu.device``
+    block), where the op as recorded would put its output on another device than its
+    pending tensor's. aten takes no lists of devices."""
+    current = torch.device("tpu", torch.accelerator.current_device_index())
+
+    def indexed(a: Any) -> Any:
+        return current if type(a) is torch.device and a.type == "tpu" and a.index is None else a
+
+    return tuple(indexed(a) for a in args), {k: indexed(v) for k, v in kwargs.items()}
 
 
 def _meta_tensor(meta: tuple) -> torch.Tensor:
@@ -370,7 +385,7 @@ class _Engine:
 
     def dispatch(self, func, args, kwargs):
         flat = _flat(args, kwargs)
-        index, elsewhere = _tpu_index(flat)
+        index, elsewhere, unindexed = _tpu_index(flat)
         if index is None:
             return func(*args, **kwargs)  # no tpu memory involved: nothing of the graph's to lock
         with self.lock:
@@ -383,6 +398,8 @@ class _Engine:
                 self._leave_eager_segment()
             segments.log_op(func)
             try:
+                if unindexed:
+                    return self._record(func, *_device_indexed(args, kwargs), index, elsewhere)
                 return self._record(func, args, kwargs, index, elsewhere)
             except _NotRecordable as why:
                 if why.by_design is not None:

@@ -79,8 +79,13 @@ def _install_data_setter() -> None:
 
     def set_data(self, value):
         active = _active
-        if active is not None and (active[2](self) or (isinstance(value, torch.Tensor) and active[2](value))):
-            active[0](_DATA)
+        if active is not None:
+            # The checks are DeferAndFuse's own: a subclass's __torch_function__ sees the
+            # assignment only, as in Strict, not the get_device and storage calls they make.
+            with torch._C.DisableTorchFunctionSubclass():
+                involved = active[2](self) or (isinstance(value, torch.Tensor) and active[2](value))
+            if involved:
+                active[0](_DATA)
         original.__set__(self, value)
 
     torch.Tensor.data = property(original.__get__, set_data, None, original.__doc__)

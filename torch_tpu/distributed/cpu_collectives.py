@@ -44,12 +44,29 @@ def _kernel(op: torch._ops.OpOverload, group_index: int) -> Callable[..., Any]:
     def kernel(keyset: torch._C.DispatchKeySet, *args: Any) -> Any:
         below = keyset & _AFTER_BACKEND_SELECT
         if below.highestPriorityTypeId() == torch._C.DispatchKey.CPU and _is_tpu_dist(args[group_index]):
-            # PREMUL_SUM's scaling writes the caller's tensors; it is not differentiated.
-            with torch._C._AutoDispatchBelowADInplaceOrView():
+            # PREMUL_SUM's scaling writes the caller's tensors; it is not differentiated. Grad
+            # mode off, not ADInplaceOrView: the copies gloo makes into the outputs (list
+            # all_gather, gather, all_to_all...) must bump their versions as on torch's path, or
+            # autograd misses a saved tensor a collective overwrote and computes wrong gradients.
+            # Inference tensors keep no versions, and ADInplaceOrView refuses their scaling
+            # outside inference mode: below it for them.
+            below_views = _has_inference_tensor(args) and not torch.is_inference_mode_enabled()
+            with torch._C._AutoDispatchBelowADInplaceOrView() if below_views else torch.no_grad():
                 return op.redispatch(_TPU_KERNEL, *args)
         return op.redispatch(below, *args)
 
     return kernel
+
+
+def _has_inference_tensor(args: tuple) -> bool:
+    """Whether a tensor of the arguments (c10d nests them in lists twice at most) is an inference tensor."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.is_inference():
+                return True
+        elif isinstance(a, (list, tuple)) and _has_inference_tensor(a):
+            return True
+    return False
 
 
 def _uncarried_collectives() -> dict[str, int]:
