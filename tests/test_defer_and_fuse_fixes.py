@@ -9,26 +9,11 @@ import pytest
 import torch
 
 import torch_tpu
-from torch_tpu import defer, defer_segments, deferred_graph
+from torch_tpu import defer, deferred_graph
 
-COMPILE = "TORCH_TPU_DEFER_COMPILE"
-
-
-@pytest.fixture(autouse=True)
-def fresh_engine(monkeypatch):
-    """As in test_defer_and_fuse: fresh stats, graph cache and segments; graphs op by op
-    unless a test asks for compiles; Strict afterwards."""
-    monkeypatch.setenv(COMPILE, "off")
-    monkeypatch.setattr(defer.engine(), "graphs", deferred_graph.GraphCache())
-    monkeypatch.setattr(defer.engine(), "segments", defer_segments.Segments(defer.engine().segments.max_ops))
-    defer.reset_stats()
-    yield
-    torch_tpu.set_eager_mode("strict")
-    cache = defer.engine().graphs
-    cache.wait_for_compiles()
-    if cache._pool is not None:
-        cache._pool.shutdown()
-    defer.reset_stats()
+# Autouse: each test starts with a fresh engine (graphs op by op unless it asks for
+# compiles) and ends in Strict.
+from tests.test_defer_and_fuse import COMPILE, strict_after  # noqa: F401
 
 
 def in_both_modes(fn, make=lambda: ()):
