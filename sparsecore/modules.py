@@ -75,7 +75,8 @@ class SparseCoreEmbeddingBagCollection(SparseCoreCollection):
 
     def _forward_training_weights(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """forward for TorchRec's position-weighted features: the weights get their gradient too."""
-        check_trainable(self._configs, self._allow_id_dropping)
+        if not torch.compiler.is_compiling():  # a traced step checks in sparsecore::kjt_weight_rows
+            check_trainable(self._configs, self._allow_id_dropping)
         out = super().forward(detached(features))  # after the queued updates, as the lookup
         tables = [self._weights[s.name] for s in self._stacks]
         values = with_weight_gradient(out.values(), features, tables, self._traced_key)

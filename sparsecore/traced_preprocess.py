@@ -108,6 +108,12 @@ def traced_batch(module: "SparseCoreCollection", kjt: KeyedJaggedTensor, key: st
         # which Dynamo makes symbolic sizes of the graph as TorchRec's EmbeddingCollection's.
         per_key = dict(zip(kjt.keys(), kjt.length_per_key()))
         lengths = dict(zip(kjt.keys(), kjt.lengths().view(len(kjt.keys()), kjt.stride())))
+        # A feature the KJT lacks is the op's to refuse when it runs, with eager's InputError
+        # (a KeyError here would stop the trace with Dynamo's "Observed exception" instead):
+        # traced as an empty one, its output is never reached.
+        for feature in (f for stack in module.stacks if not stack.is_pooled for f in stack.feature_names):
+            if feature not in per_key:
+                per_key[feature], lengths[feature] = 0, kjt.lengths().new_zeros(kjt.stride())
     for i, stack in enumerate(module.stacks):
         row_pointers, embedding_ids, sample_ids, gains = buffers[4 * i:4 * i + 4]
         if stack.is_pooled:

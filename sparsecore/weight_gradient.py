@@ -109,12 +109,20 @@ def _widest(module: str) -> int:
 
 
 @torch.library.custom_op("sparsecore::kjt_weight_rows", mutates_args=())
-def kjt_weight_rows(values: torch.Tensor, lengths: torch.Tensor, tables: list[torch.Tensor], keys: str,
-                    stride: int, module: str) -> torch.Tensor:
-    """Per id of the KJT, the fp32 row it looks up, zero-padded to the widest table's dim:
-    (ids, widest dim), on the tables' device. ``tables``: the module's stacks' physical
-    tables in order; ``module``: its registered key (sparsecore.traced_preprocess)."""
+def kjt_weight_rows(pooled: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, tables: list[torch.Tensor],
+                    keys: str, stride: int, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pooled`` (the module's output for the KJT) copied, and per id of the KJT the fp32 row
+    it looks up, zero-padded to the widest table's dim: (ids, widest dim), on the tables'
+    device. ``tables``: the module's stacks' physical tables in order; ``module``: its
+    registered key (sparsecore.traced_preprocess).
+
+    The copy is what the rest of the step reads: it ties the rows' read to the forward. Rows
+    that only the backward needs would be read in the compiled backward (AOTAutograd's
+    partitioner moves such ops there), after a later call's backward stepped them."""
     owner = registered(module)
+    # A traced step refuses here, when it runs: raised while tracing, eager's InputError
+    # would reach the caller as Dynamo's "Observed exception" (fullgraph=True).
+    check_trainable(owner.table_configs, owner._allow_id_dropping)
     stack_tables = dict(zip((s.name for s in owner.stacks), tables))
     device = tables[0].device
     rows = torch.zeros((values.numel(), _widest(module)), dtype=torch.float32, device=device)
@@ -123,12 +131,25 @@ def kjt_weight_rows(values: torch.Tensor, lengths: torch.Tensor, tables: list[to
         physical = part.slot.stack.physical_row(part.slot.table.name, ids)
         rows[part.start:part.end, :part.slot.table.embedding_dim] = stack_tables[part.slot.stack.name].index_select(
             0, physical).float()
-    return rows
+    return pooled.clone(), rows
 
 
 @kjt_weight_rows.register_fake
-def _kjt_weight_rows_fake(values, lengths, tables, keys, stride, module):
-    return torch.empty((values.shape[0], _widest(module)), dtype=torch.float32, device=tables[0].device)
+def _kjt_weight_rows_fake(pooled, values, lengths, tables, keys, stride, module):
+    rows = torch.empty((values.shape[0], _widest(module)), dtype=torch.float32, device=tables[0].device)
+    return torch.empty_like(pooled), rows
+
+
+def _kjt_weight_rows_setup(ctx, inputs: tuple, output: tuple) -> None:
+    ctx.num_tables = len(inputs[3])
+
+
+def _kjt_weight_rows_backward(ctx, grad: torch.Tensor, grad_rows: torch.Tensor | None) -> tuple:
+    # The copy passes its gradient through; the rows are read, not trained through.
+    return grad, None, None, [None] * ctx.num_tables, None, None, None
+
+
+kjt_weight_rows.register_autograd(_kjt_weight_rows_backward, setup_context=_kjt_weight_rows_setup)
 
 
 @torch.library.custom_op("sparsecore::kjt_weight_gradient", mutates_args=())
@@ -178,6 +199,7 @@ def with_weight_gradient(values: torch.Tensor, features: KeyedJaggedTensor, tabl
     one backward steps its rows in the later call's backward, which runs first. Both halves
     are ops of fixed shapes given the KJT's, so a compiled step keeps them in its graph."""
     keys = KEY_SEPARATOR.join(features.keys())
-    rows = kjt_weight_rows(features.values(), features.lengths(), list(tables), keys, features.stride(), module)
+    values, rows = kjt_weight_rows(values, features.values(), features.lengths(), list(tables), keys,
+                                   features.stride(), module)
     return _WeightGradient.apply(values, features.weights(), rows, features.lengths(), keys, features.stride(),
                                  module)
