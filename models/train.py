@@ -8,7 +8,8 @@ a synthetic preset or a store written by ``python -m data.criteo preprocess``.
 Embeddings train on the SparseCore engine with their optimizer fused into
 the backward; the dense arch trains with a torch.optim optimizer on the
 TensorCore; ``sparsecore.TrainPipeline`` overlaps the two exactly (``--pipeline
-none``: the plain loop, same numbers). Progress goes to a tqdm bar; validation metrics (AUC, log loss)
+none``: the plain loop, same numbers; ``--compile``: the plain loop's step through
+``torch.compile(backend="tpu")``, one graph with its lookups). Progress goes to a tqdm bar; validation metrics (AUC, log loss)
 and throughput are appended to ``metrics.jsonl``; checkpoints are atomic and
 resuming continues the exact run (same batches, same updates); resuming a
 checkpoint that already holds the run's last step trains nothing and reports
@@ -28,7 +29,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -125,6 +126,10 @@ class TrainConfig:
     pipeline: str = "exact"
     """``exact``: sparsecore.TrainPipeline (SparseCore and TensorCore work overlapped, same numbers);
     ``none``: the plain loop (forward, backward, step per batch)."""
+    compile: bool = False
+    """Train through ``torch.compile(backend="tpu")``: the step's forward with its SparseCore
+    lookups and their fused backward as one graph (``fullgraph=True``), and the dense
+    optimizer's step. The plain loop on one process, on the tpu (validation stays eager)."""
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -153,6 +158,9 @@ class TrainConfig:
             raise ValueError(f"pipeline {self.pipeline!r}: expected 'exact' or 'none'")
         if self.dense_parallel not in ("ddp", "fsdp2"):
             raise ValueError(f"dense_parallel {self.dense_parallel!r}: expected 'ddp' or 'fsdp2'")
+        if self.compile and (self.pipeline != "none" or device.type != "tpu"):
+            raise ValueError(f"compile: the compiled step is the plain loop's on the tpu; expected pipeline 'none' "
+                             f"and device 'tpu', got pipeline {self.pipeline!r} and device {self.device!r}")
 
     def _check_counts(self) -> None:
         """Counts and sizes in range, so a bad flag is refused up front rather than as a traceback
@@ -177,7 +185,7 @@ class TrainConfig:
         fixed = dataclasses.asdict(self)
         for key in ("epochs", "steps", "eval_interval", "eval_batches", "num_workers", "checkpoint_dir",
                     "checkpoint_interval", "resume", "metrics_file", "progress", "plan", "dense_parallel",
-                    "pipeline", "limits", "limits_headroom"):
+                    "pipeline", "compile", "limits", "limits_headroom"):
             fixed.pop(key)
         return fixed
 
@@ -389,6 +397,7 @@ class Trainer:
         self.train_model = DLRMTrain(self.model, loss_divisor=cfg.batch_size)
         self.pipeline = (sparsecore.TrainPipeline(self.train_model, self.dense_opt, self.device)
                          if cfg.pipeline == "exact" else None)
+        self._forward, self._dense_step = self._step_functions()
         shards = dict(rank=self.rank, world_size=self.world_size, preprocessor=preprocessor,
                       num_workers=loader_workers(cfg.num_workers))
         self.train_loader = BatchLoader(self.data.train, cfg.batch_size, seed=cfg.seed, shuffle=True, **shards)
@@ -405,6 +414,15 @@ class Trainer:
         self.losses: list[float] = []
         if cfg.resume:
             self._restore()
+
+    def _step_functions(self) -> tuple[Callable, Callable[[], Any]]:
+        """The plain loop's forward and dense optimizer step: as they are, or compiled."""
+        if not self.cfg.compile:
+            return self.train_model, self.dense_opt.step
+        if self.world_size > 1:
+            raise ValueError(f"compile: a compiled step runs on one process, not {self.world_size} (torchrun)")
+        return (torch.compile(self.train_model, backend="tpu", fullgraph=True),
+                torch.compile(self.dense_opt.step, backend="tpu"))
 
     @property
     def _unwrapped(self) -> torch.nn.Module:
@@ -503,10 +521,10 @@ class Trainer:
         if self.pipeline is not None:
             loss, _, _ = self.pipeline.progress(batches)
         else:
-            loss, _ = self.train_model(next(batches).to(self.device))
+            loss, _ = self._forward(next(batches).to(self.device))
             self.dense_opt.zero_grad(set_to_none=True)
             loss.backward()
-            self.dense_opt.step()
+            self._dense_step()
             torch.tpu.mark_step()  # a step's end (the pipeline marks its own)
         return distributed.global_sum(loss.detach()).item()
 
@@ -667,8 +685,11 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
                    help=f"an earlier run's {LIMITS_FILENAME}: its observed id maxima set the partition limits")
     p.add_argument("--limits-headroom", type=float, default=defaults.limits_headroom,
                    help="factor on the observed maxima (--limits)")
-    p.add_argument("--pipeline", choices=["exact", "none"], default=defaults.pipeline,
-                   help="exact: sparsecore.TrainPipeline (overlapped, same numbers); none: the plain loop")
+    p.add_argument("--pipeline", choices=["exact", "none"], default=None,
+                   help="exact: sparsecore.TrainPipeline (overlapped, same numbers); none: the plain loop "
+                        "(default: exact, or none with --compile)")
+    p.add_argument("--compile", action="store_true",
+                   help="train through torch.compile(backend='tpu'): the step as one graph (plain loop, one process)")
     a = p.parse_args(argv)
     dense_arch = a.dense_arch or (*defaults.dense_arch[:-1], a.embedding_dim)
     try:
@@ -681,7 +702,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
             eval_interval=a.eval_interval, eval_batches=a.eval_batches, seed=a.seed, device=a.device,
             precision=a.precision, num_workers=a.num_workers, checkpoint_dir=a.checkpoint_dir,
             checkpoint_interval=a.checkpoint_interval, resume=a.resume, metrics_file=a.metrics_file,
-            progress=not a.no_progress, plan=a.plan, dense_parallel=a.dense_parallel, pipeline=a.pipeline,
+            progress=not a.no_progress, plan=a.plan, dense_parallel=a.dense_parallel,
+            pipeline=a.pipeline or ("none" if a.compile else defaults.pipeline), compile=a.compile,
             limits=a.limits, limits_headroom=a.limits_headroom)
     except ValueError as error:
         p.error(str(error))

@@ -108,6 +108,10 @@ def test_config_checks():
         small(resume=True)
     with pytest.raises(ValueError, match="model"):
         small(model="nope")
+    for wrong in (dict(), dict(pipeline="none", device="cpu")):  # compiled: the plain loop, on the tpu
+        with pytest.raises(ValueError, match="compile: .*expected pipeline 'none' and device 'tpu'"):
+            small(compile=True, **wrong)
+    assert parse_args(["--compile"]) == TrainConfig(compile=True, pipeline="none")
 
 
 # ---------------------------------------------------------------- the loop
@@ -152,6 +156,21 @@ def test_the_pipeline_trains_as_the_plain_loop():
     assert piped_summary["val_auc"] == plain_summary["val_auc"]
     assert_same_tree(piped.model.state_dict(), plain.model.state_dict())
     assert_same_tree(piped.ebc.fused_optimizer.state_dict(), plain.ebc.fused_optimizer.state_dict())
+
+
+def test_a_compiled_run_trains_as_the_plain_loop():
+    """--compile: the step's forward (SparseCore lookups and their fused backward included) as
+    one graph and the dense optimizer's step compiled; the same run as eager's, to fp32
+    rounding. At "highest": below it, an fp32 ulp that flips a bf16 rounding in one matmul
+    is a bf16 ulp in the next, which row-wise Adagrad's first steps (about lr * sign(g))
+    carry into the tables at 1e-3."""
+    cfg = dict(steps=8, eval_interval=4, eval_batches=2, pipeline="none", precision="highest")
+    compiled, plain = Trainer(small(compile=True, **cfg)), Trainer(small(**cfg))
+    compiled_summary, plain_summary = compiled.run(), plain.run()
+    torch.testing.assert_close(compiled.losses, plain.losses, rtol=1e-5, atol=1e-5)
+    assert compiled_summary["val_auc"] == pytest.approx(plain_summary["val_auc"], abs=1e-4)
+    for key, value in plain.model.state_dict().items():
+        torch.testing.assert_close(compiled.model.state_dict()[key].cpu(), value.cpu(), rtol=1e-4, atol=1e-4, msg=key)
 
 
 def test_the_pipeline_trains_under_defer_and_fuse_as_under_strict(monkeypatch):
