@@ -199,7 +199,11 @@ def with_weight_gradient(values: torch.Tensor, features: KeyedJaggedTensor, tabl
     one backward steps its rows in the later call's backward, which runs first. Both halves
     are ops of fixed shapes given the KJT's, so a compiled step keeps them in its graph."""
     keys = KEY_SEPARATOR.join(features.keys())
-    values, rows = kjt_weight_rows(values, features.values(), features.lengths(), list(tables), keys,
-                                   features.stride(), module)
+    # Traced, the step reads the op's copy of the output, which keeps the read in the forward;
+    # eager runs the op now anyway and hands it nothing to copy.
+    compiling = torch.compiler.is_compiling()
+    copied, rows = kjt_weight_rows(values if compiling else values.new_empty(0), features.values(),
+                                   features.lengths(), list(tables), keys, features.stride(), module)
+    values = copied if compiling else values
     return _WeightGradient.apply(values, features.weights(), rows, features.lengths(), keys, features.stride(),
                                  module)
