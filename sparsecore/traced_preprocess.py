@@ -1,7 +1,8 @@
 """Host preprocessing of a KJT inside a ``torch.compile`` graph.
 
-A module called with a raw KeyedJaggedTensor in a traced step preprocesses it with one opaque op, ``sparsecore::preprocess_kjt``, instead of
-tracing the preprocessing's Python (whose id checks and limit counts read
+A module called with a raw KeyedJaggedTensor in a traced step preprocesses it
+with one opaque op, ``sparsecore::preprocess_kjt``, instead of tracing the
+preprocessing's Python (whose id checks and limit counts read
 tensor values: a graph break at each, and an error under ``fullgraph=True``).
 The op runs the eager preprocessing unchanged - every check and error, the
 module's observed limits and dropped ids - and returns each stack's COO
@@ -74,7 +75,7 @@ def preprocess_kjt(values: torch.Tensor, lengths: torch.Tensor, weights: Optiona
                    stride: int, module: str, device: torch.device) -> list[torch.Tensor]:
     """``module``'s preprocessing of the KJT (``keys`` joined by KEY_SEPARATOR: a schema
     holds no list of strings; values, lengths, weights, stride): per
-    pooled stack in order, row pointers, embedding ids, sample ids and gains, the last
+    stack in order, row pointers, embedding ids, sample ids and gains, the last
     three ``static_width`` wide, on ``device`` (the module's)."""
     owner = registered(module)
     kjt = KeyedJaggedTensor(keys=keys.split(KEY_SEPARATOR), values=values, lengths=lengths, weights=weights, stride=stride)
@@ -102,26 +103,30 @@ def traced_batch(module: "SparseCoreCollection", kjt: KeyedJaggedTensor, key: st
     weights = kjt.weights_or_none() if module.is_weighted() else None
     buffers = preprocess_kjt(kjt.values(), kjt.lengths(), None if weights is None else weights.detach(),
                              KEY_SEPARATOR.join(kjt.keys()), kjt.stride(), key, device)
-    stacks, lengths, per_key = {}, {}, {}
-    if not all(stack.is_pooled for stack in module.stacks):
-        # A sequence stack's output has a row per id: its size is the features' id counts,
-        # which Dynamo makes symbolic sizes of the graph as TorchRec's EmbeddingCollection's.
-        per_key = dict(zip(kjt.keys(), kjt.length_per_key()))
-        lengths = dict(zip(kjt.keys(), kjt.lengths().view(len(kjt.keys()), kjt.stride())))
-        # A feature the KJT lacks is the op's to refuse when it runs, with eager's InputError
-        # (a KeyError here would stop the trace with Dynamo's "Observed exception" instead):
-        # traced as an empty one, its output is never reached.
-        for feature in (f for stack in module.stacks if not stack.is_pooled for f in stack.feature_names):
-            if feature not in per_key:
-                per_key[feature], lengths[feature] = 0, kjt.lengths().new_zeros(kjt.stride())
+    sequence = [f for s in module.stacks if not s.is_pooled for f in s.feature_names]
+    counts, lengths = _sequence_lengths(kjt, sequence)
+    stacks = {}
     for i, stack in enumerate(module.stacks):
         row_pointers, embedding_ids, sample_ids, gains = buffers[4 * i:4 * i + 4]
         if stack.is_pooled:
             num_bags, batch_size = len(stack.feature_names) * kjt.stride(), kjt.stride()
         else:
-            num_bags = batch_size = sum(per_key[f] for f in stack.feature_names)
+            num_bags = batch_size = sum(counts[f] for f in stack.feature_names)
         stacks[stack.name] = StackBatch(row_pointers=row_pointers, embedding_ids=embedding_ids, sample_ids=sample_ids,
                                         gains=gains, num_bags=num_bags, batch_size=batch_size, stats=None)
-    sequence = [f for s in module.stacks if not s.is_pooled for f in s.feature_names]
-    return PreprocessedBatch(batch_size=kjt.stride(), stacks=stacks, lengths={f: lengths[f] for f in sequence},
-                             id_counts={f: per_key[f] for f in sequence})
+    return PreprocessedBatch(batch_size=kjt.stride(), stacks=stacks, lengths=lengths, id_counts=counts)
+
+
+def _sequence_lengths(kjt: KeyedJaggedTensor, features: list[str]) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
+    """Per sequence feature, its id count and its lengths. A sequence stack's output has a row
+    per id: its size is the features' id counts, the KJT's ``length_per_key``, which Dynamo
+    makes symbolic sizes of the graph as TorchRec's EmbeddingCollection's. A feature the KJT
+    lacks is traced as an empty one: the op refuses it when it runs, with eager's InputError
+    (a KeyError here would stop the trace with Dynamo's "Observed exception" instead)."""
+    if not features:
+        return {}, {}
+    keys = kjt.keys()
+    counts = dict(zip(keys, kjt.length_per_key()))
+    lengths = dict(zip(keys, kjt.lengths().view(len(keys), kjt.stride())))
+    empty = kjt.lengths().new_zeros(kjt.stride())
+    return {f: counts.get(f, 0) for f in features}, {f: lengths.get(f, empty) for f in features}

@@ -198,22 +198,16 @@ def test_a_stream_block_runs_after_the_stream_s_work_as_in_eager(block):
     assert results[0][0].item() == 64 * 3  # the block read x after the stream's add
 
 
+NO_ARGUMENT_STATE_APIS = ["memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
+                          "memory_stats", "reset_peak_memory_stats", "reset_accumulated_memory_stats", "mem_get_info",
+                          "empty_cache", "compile_cache_stats", "current_stream", "default_stream"]
+
+
 @pytest.mark.parametrize("api, call", [
     ("torch.tpu.set_device", lambda x: torch.tpu.set_device(0)),
     ("torch.tpu.device", lambda x: torch.tpu.device(0).__enter__()),
     ("torch.tpu.device", lambda x: torch.tpu.device_of(x).__enter__()),
-    ("torch.tpu.memory_allocated", lambda x: torch.tpu.memory_allocated()),
-    ("torch.tpu.max_memory_allocated", lambda x: torch.tpu.max_memory_allocated()),
-    ("torch.tpu.memory_reserved", lambda x: torch.tpu.memory_reserved()),
-    ("torch.tpu.max_memory_reserved", lambda x: torch.tpu.max_memory_reserved()),
-    ("torch.tpu.memory_stats", lambda x: torch.tpu.memory_stats()),
-    ("torch.tpu.reset_peak_memory_stats", lambda x: torch.tpu.reset_peak_memory_stats()),
-    ("torch.tpu.reset_accumulated_memory_stats", lambda x: torch.tpu.reset_accumulated_memory_stats()),
-    ("torch.tpu.mem_get_info", lambda x: torch.tpu.mem_get_info()),
-    ("torch.tpu.empty_cache", lambda x: torch.tpu.empty_cache()),
-    ("torch.tpu.compile_cache_stats", lambda x: torch.tpu.compile_cache_stats()),
-    ("torch.tpu.current_stream", lambda x: torch.tpu.current_stream()),
-    ("torch.tpu.default_stream", lambda x: torch.tpu.default_stream()),
+    *[(f"torch.tpu.{name}", lambda x, name=name: getattr(torch.tpu, name)()) for name in NO_ARGUMENT_STATE_APIS],
     ("torch.tpu.set_stream", lambda x: torch.tpu.set_stream(None)),
     ("torch.tpu.Stream", lambda x: torch.tpu.Stream()),
     ("torch.tpu.submit", lambda x: torch.tpu.submit(None, print)),

@@ -230,11 +230,12 @@ def _inputs_read_by(graph: Any, refs: list[tuple], node_refs: list[list[tuple]])
 def copies_an_updated_source(graph: Any) -> bool:
     """Whether an in-place copy into a real tensor takes its value from an input (through any
     ops) whose memory a later node updates in place. Compiled, such a graph is wrong (upstream
-    Inductor on torch 2.13: plain CPU Inductor compiles the same function wrong): the copy of a plain input (or of a clone, a
-    same-dtype cast) is removed as a no-op, so the destination is written from the source's
-    buffer - after the source's own update, when the source comes first in the graph's inputs.
-    Such a graph runs op by op. Conservative: any chain of ops from the source counts."""
-    copies = sorted(n for n in graph.in_place if graph.nodes[n][0] in COPY_OPS)
+    Inductor on torch 2.13: plain CPU Inductor compiles the same function wrong): the copy of
+    a plain input (or of a clone, a same-dtype cast) is removed as a no-op, so the destination
+    is written from the source's buffer - after the source's own update, when the source
+    comes first in the graph's inputs. Such a graph runs op by op. Conservative: any chain of
+    ops from the source counts."""
+    copies = {n for n in graph.in_place if graph.nodes[n][0] in COPY_OPS}
     if not copies:
         return False
     # TensorBase's method: torch.Tensor's may be a materialization hook.
@@ -242,7 +243,7 @@ def copies_an_updated_source(graph: Any) -> bool:
                 for t in graph.inputs]
     node_refs = [arg_refs(args, kwargs) for _, args, kwargs in graph.nodes]
     updated_after: set[int] = set()  # storages written by in-place nodes after the one looked at
-    for n in range(len(graph.nodes) - 1, copies[0] - 1, -1):
+    for n in range(len(graph.nodes) - 1, min(copies) - 1, -1):
         if n in graph.in_place:
             if n in copies:
                 written = set(_written_refs(graph, n))

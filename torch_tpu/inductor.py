@@ -208,17 +208,23 @@ def node_devices(node: torch.fx.Node) -> frozenset[int]:
     return frozenset(_tpu_indices(values))
 
 
-def graph_device(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], device: int | None = None) -> int:
-    """The tpu device a compiled ``gm`` runs on and adopts its results onto: the one its tensors
-    are on (inputs, traced values, device arguments), else ``device``, else the current one.
-    Raises NotCompilable for a graph on several tpu devices, or on another than ``device``:
-    compiled for cpu, it would hand back every result on the one device."""
+def _graph_devices(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], device: int | None) -> set[int]:
+    """The tpu devices of ``gm``'s tensors (inputs, traced values, device arguments) and ``device``."""
     found = _tpu_indices(list(example_inputs))
     for node in gm.graph.nodes:
         if node.op == "call_function":
             found |= node_devices(node)
     if device is not None:
         found.add(device)
+    return found
+
+
+def graph_device(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], device: int | None = None) -> int:
+    """The tpu device a compiled ``gm`` runs on and adopts its results onto: the one its tensors
+    are on (inputs, traced values, device arguments), else ``device``, else the current one.
+    Raises NotCompilable for a graph on several tpu devices, or on another than ``device``:
+    compiled for cpu, it would hand back every result on the one device."""
+    found = _graph_devices(gm, example_inputs, device)
     if len(found) > 1:
         raise NotCompilable(f"tensors on tpu devices {sorted(found)}: a compiled graph runs on one")
     return found.pop() if found else torch.tpu.current_device()
@@ -326,8 +332,7 @@ def _kernel_layouts(node: torch.fx.Node) -> list[torch.Tensor | None] | None:
         if not isinstance(value, torch.fx.Node):
             return value
         traced = value.meta.get("val")
-        if not isinstance(traced, torch.Tensor) or not all(isinstance(n, int) for n in (*traced.shape,
-                                                                                          *traced.stride())):
+        if not isinstance(traced, torch.Tensor) or is_symbolic(traced):
             raise LookupError(value)
         return shape_of(traced)
 
@@ -413,7 +418,7 @@ def input_layouts(example_inputs: Sequence[Any], unread: Collection[int] = ()) -
     layouts = []
     for i, t in enumerate(example_inputs):
         if isinstance(t, torch.Tensor) and i not in unread:
-            if any(not isinstance(n, int) for n in (*t.shape, *t.stride())):
+            if is_symbolic(t):
                 return None
             layouts.append((i, tuple(t.shape), tuple(t.stride())))
     return tuple(layouts)
@@ -580,10 +585,7 @@ def compile_graph(
         # Compiles are for static shapes (torch_tpu.compile_backend hands over symbolic
         # graphs only when their symbolic sizes are ids counts): the ops of those sizes
         # run as they are, the rest is compiled once for every size.
-        split = compile_around(gm, choose)
-        logger.info("graph with symbolic sizes: %s", "compiled around their ops" if split is not None
-                    else "runs op by op")
-        return gm if split is None else split
+        return _around(gm, choose, "symbolic sizes")
     # Inductor's wrapper would assert every input's sizes and strides with a Python call
     # each: 140 calls a step on a small-op training step's three graphs, 2% of its time.
     layouts = input_layouts(example_inputs, _unread_inputs(gm))
@@ -591,15 +593,20 @@ def compile_graph(
         runs_on = graph_device(gm, example_inputs, device)
         compiled = compile_host(gm, example_inputs, size_asserts=layouts is None)
     except NotCompilable as reason:
-        split = compile_around(gm, choose)
-        logger.info("graph %s: %s", "compiled around the ops that cannot be" if split is not None
-                    else "runs op by op", reason)
-        return gm if split is None else split
+        return _around(gm, choose, reason)
     outputs = _output_devices(gm) if tpu_outputs is None else list(tpu_outputs)
     runner = HostRunner(compiled, runs_on, outputs, layouts)
     # A graph drawing random numbers stays with one variant: compiled and op by op draw
     # different streams, and alternating them would break a seed's reproducibility.
     return ChoosingRunner(runner, gm) if choose and not _draws_random_numbers(gm) else runner
+
+
+def _around(gm: torch.fx.GraphModule, choose: bool, reason: object) -> torch.fx.GraphModule:
+    """``gm`` compiled around the ops that cannot be (``reason``), or as it is, op by op."""
+    split = compile_around(gm, choose)
+    logger.info("graph %s: %s", "compiled around the ops that cannot be" if split is not None
+                else "runs op by op", reason)
+    return gm if split is None else split
 
 
 def take_stream_annotations(gm: torch.fx.GraphModule) -> bool:
@@ -620,13 +627,7 @@ def take_stream_annotations(gm: torch.fx.GraphModule) -> bool:
 
 def _stream_devices(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], device: int | None) -> list[int]:
     """The tpu devices whose streams a graph's stream blocks may be on: its tensors' devices."""
-    found = _tpu_indices(list(example_inputs))
-    if device is not None:
-        found.add(device)
-    for node in gm.graph.nodes:
-        if node.op == "call_function":
-            found |= node_devices(node)
-    return sorted(found) or [torch.tpu.current_device()]
+    return sorted(_graph_devices(gm, example_inputs, device)) or [torch.tpu.current_device()]
 
 
 class AfterStreams:
