@@ -1,6 +1,7 @@
 #include "TpuBf16Gemm.h"
 
 #include "TpuBf16Kernel.h"
+#include "TpuOnednn.h"
 #include "TpuPrecision.h"
 
 #include <ATen/ops/_to_copy.h>
@@ -15,15 +16,8 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <mutex>
 #include <string>
 #include <vector>
-
-namespace at::native {
-// Exported by libtorch_cpu (ATen/native/mkldnn/Matmul.h is not shipped):
-// result = beta * result + alpha * mat1 @ mat2 through oneDNN.
-TORCH_API void mkldnn_matmul(const Tensor& mat1, const Tensor& mat2, const Tensor& result, float beta, float alpha);
-} // namespace at::native
 
 namespace torch_tpu {
 namespace {
@@ -60,29 +54,10 @@ bool cpu_has_amx_bf16() {
   return has;
 }
 
-// The oneDNN math mode is a process-wide setting that ATen reads when it
-// builds the primitive: set it for this call only, one call at a time.
-std::mutex& mode_mutex() {
-  static std::mutex mu;
-  return mu;
-}
-
 // out = beta * out + alpha * bf16(a) @ bf16(b) through oneDNN's bf16 mode;
 // 2-D or batched 3-D operands.
 void onednn_bf16_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, float beta, float alpha) {
-  const at::Tensor lhs = rounded(a), rhs = rounded(b);
-  using at::Float32Backend, at::Float32Op, at::Float32Precision;
-  auto& ctx = at::globalContext();
-  std::lock_guard<std::mutex> lock(mode_mutex());
-  const Float32Precision previous = ctx.float32Precision(Float32Backend::MKLDNN, Float32Op::MATMUL);
-  ctx.setFloat32Precision(Float32Backend::MKLDNN, Float32Op::MATMUL, Float32Precision::BF16);
-  try {
-    at::native::mkldnn_matmul(lhs, rhs, out, beta, alpha);
-  } catch (...) {
-    ctx.setFloat32Precision(Float32Backend::MKLDNN, Float32Op::MATMUL, previous);
-    throw;
-  }
-  ctx.setFloat32Precision(Float32Backend::MKLDNN, Float32Op::MATMUL, previous);
+  onednn_matmul(rounded(a), rounded(b), out, beta, alpha, at::Float32Precision::BF16);
 }
 
 // Whether medium matmuls run our AVX512-BF16 kernel or oneDNN: oneDNN where

@@ -2,6 +2,7 @@
 // operands the MXU would see at the current precision (TpuPrecision.h).
 
 #include "TpuBf16Gemm.h"
+#include "TpuFp32Gemm.h"
 #include "TpuHost.h"
 #include "TpuMxu.h"
 #include "TpuPrecision.h"
@@ -45,6 +46,24 @@ at::Tensor bf16_passes_gemm(const at::Tensor& a, const at::Tensor& b, const at::
   return {};
 }
 
+// An fp32 GEMM pass: oneDNN where it is the host's faster engine, else ATen's.
+at::Tensor fp32_mm(const at::Tensor& a, const at::Tensor& b) {
+  if (auto fast = fp32_gemm(a, b, {}, 0, 1); fast.defined()) {
+    return fast;
+  }
+  return at::mm(a, b);
+}
+
+at::Tensor fp32_addmm(const at::Tensor& bias, const at::Tensor& a, const at::Tensor& b, const c10::Scalar& beta,
+                      const c10::Scalar& alpha) {
+  if (bias.is_floating_point()) {
+    if (auto fast = fp32_gemm(a, b, bias, beta.toFloat(), alpha.toFloat()); fast.defined()) {
+      return fast;
+    }
+  }
+  return at::addmm(bias, a, b, beta, alpha);
+}
+
 } // namespace
 
 namespace mxu {
@@ -53,7 +72,7 @@ at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
   if (auto fast = bf16_passes_gemm(a, b, {}, 0, 1); fast.defined()) {
     return fast;
   }
-  return on_mxu(a, b, [](const at::Tensor& x, const at::Tensor& y, bool) { return at::mm(x, y); });
+  return on_mxu(a, b, [](const at::Tensor& x, const at::Tensor& y, bool) { return fp32_mm(x, y); });
 }
 
 at::Tensor bmm(const at::Tensor& a, const at::Tensor& b) {
@@ -77,7 +96,7 @@ at::Tensor addmm(const at::Tensor& bias, const at::Tensor& a, const at::Tensor& 
     return fast;
   }
   return on_mxu(a, b, [&](const at::Tensor& a, const at::Tensor& b, bool rest) {
-    return rest ? at::addmm(bias, a, b, beta, alpha) : at::mm(a, b).mul_(alpha);
+    return rest ? fp32_addmm(bias, a, b, beta, alpha) : fp32_mm(a, b).mul_(alpha);
   });
 }
 

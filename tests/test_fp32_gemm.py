@@ -1,0 +1,100 @@
+"""Highest precision's fp32 GEMM engine: oneDNN or ATen's BLAS, exact fp32 either way."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+def exact(fn, *tensors):
+    return fn(*(t.double() for t in tensors))
+
+
+def on_tpu(fn, *tensors):
+    with torch.tpu.precision("highest"):
+        return fn(*(t.to("tpu") for t in tensors)).cpu()
+
+
+def operand(rows, cols, transposed, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(cols, rows, generator=g).t() if transposed else torch.randn(rows, cols, generator=g)
+
+
+# Shapes above and below the size where oneDNN takes over (AMD hosts), with
+# each operand row-major or transposed (a Linear's forward reads its weight
+# transposed, its weight gradient the activations).
+@pytest.mark.parametrize("m, k, n", [(256, 256, 256), (300, 96, 520), (24, 40, 8)])
+@pytest.mark.parametrize("layout", ["nn", "nt", "tn"])
+def test_mm_and_addmm_are_fp32_exact(m, k, n, layout):
+    a, b = operand(m, k, layout[0] == "t", 0), operand(k, n, layout[1] == "t", 1)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    # fp32 products and sums: errors of a few ulps of the partial sums, where
+    # one bf16 rounding of the operands would cost ~1e-2.
+    tol = dict(rtol=1e-5, atol=2e-5 * k**0.5)
+    torch.testing.assert_close(on_tpu(torch.mm, a, b), exact(torch.mm, a, b).float(), **tol)
+    torch.testing.assert_close(on_tpu(torch.addmm, bias, a, b), exact(torch.addmm, bias, a, b).float(), **tol)
+    scaled = lambda c, x, y: torch.addmm(c, x, y, beta=0.5, alpha=2.0)
+    full_bias = torch.randn(m, n)
+    torch.testing.assert_close(on_tpu(scaled, full_bias, a, b), exact(scaled, full_bias, a, b).float(), **tol)
+
+
+def test_beta_zero_ignores_the_bias_and_the_bias_is_left_alone():
+    a, b = operand(256, 256, False, 0), operand(256, 256, True, 1)
+    nan_bias = torch.full((256, 256), float("nan"))
+    got = on_tpu(lambda c, x, y: torch.addmm(c, x, y, beta=0.0), nan_bias, a, b)
+    torch.testing.assert_close(got, exact(torch.mm, a, b).float(), rtol=1e-5, atol=4e-4)
+    bias = torch.randn(256, 256)
+    bias_tpu = bias.to("tpu")
+    with torch.tpu.precision("highest"):
+        torch.addmm(bias_tpu, a.to("tpu"), b.to("tpu"))
+    assert torch.equal(bias_tpu.cpu(), bias)
+
+
+def test_highest_stays_fp32_under_a_bf16_onednn_math_mode():
+    # The CPU setting lets oneDNN multiply fp32 matmuls in bf16 (where it has
+    # bf16 math: on AMX CPUs; elsewhere oneDNN stays fp32 and only the
+    # setting's restoration is at stake): the tpu's highest precision must not
+    # follow it, and must leave it as it was.
+    a, b = operand(512, 256, False, 0), operand(256, 384, True, 1)
+    before = torch.backends.mkldnn.matmul.fp32_precision
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    try:
+        got = on_tpu(torch.mm, a, b)
+        assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = before
+    torch.testing.assert_close(got, exact(torch.mm, a, b).float(), rtol=1e-5, atol=4e-4)
+
+
+ENGINE_CHECK = """
+import torch, torch_tpu
+g = torch.Generator().manual_seed(0)
+a, b, bias = torch.randn(256, 320, generator=g), torch.randn(384, 320, generator=g).t(), torch.randn(384, generator=g)
+with torch.tpu.precision("highest"):
+    got = torch.mm(a.to("tpu"), b.to("tpu")).cpu()
+    got_addmm = torch.addmm(bias.to("tpu"), a.to("tpu"), b.to("tpu")).cpu()
+ref = (a.double() @ b.double()).float()
+torch.testing.assert_close(got, ref, rtol=1e-5, atol=4e-4)
+torch.testing.assert_close(got_addmm, (bias.double() + a.double() @ b.double()).float(), rtol=1e-5, atol=4e-4)
+# Same bits as ATen's CPU mm (the BLAS) or not (oneDNN sums in its own order).
+print("same-as-cpu" if torch.equal(got, a @ b) else "other-order")
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine, bits", [("blas", "same-as-cpu"), ("onednn", "other-order")])
+def test_each_engine_can_be_forced(engine, bits):
+    env = {**os.environ, "TORCH_TPU_FP32_GEMM": engine}
+    done = subprocess.run([sys.executable, "-c", ENGINE_CHECK], env=env, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == bits
+
+
+@pytest.mark.timeout(120)
+def test_an_unknown_engine_is_refused():
+    env = {**os.environ, "TORCH_TPU_FP32_GEMM": "mkl"}
+    done = subprocess.run([sys.executable, "-c", ENGINE_CHECK], env=env, capture_output=True, text=True, timeout=100)
+    assert done.returncode != 0
+    assert "TORCH_TPU_FP32_GEMM must be 'onednn' or 'blas', got 'mkl'" in done.stderr
