@@ -72,3 +72,12 @@ def test_gemm_peak_is_the_fastest_size_and_bounded_by_the_timed_calls(monkeypatc
     ticks = iter(range(10**6))
     monkeypatch.setattr(roofline.time, "perf_counter", lambda: next(ticks) * 1e-3)
     assert roofline.gemm_peak_gflops(sizes=(8, 16), seconds_per_size=0.01) == pytest.approx(2 * 16**3 / 1e-3 / 1e9)
+
+
+def test_gemm_peak_is_the_faster_devices(monkeypatch):
+    # The tpu's kernels may run a faster GEMM engine than ATen's BLAS (oneDNN off Intel
+    # CPUs): the floor is set by whichever device multiplies faster.
+    seconds = {"cpu": 2e-3, "tpu": 1e-3}
+    monkeypatch.setattr(roofline, "_fastest_mm", lambda n, device, budget: seconds[device])
+    assert roofline.gemm_peak_gflops(sizes=(16,)) == pytest.approx(2 * 16**3 / 1e-3 / 1e9)
+    assert roofline.gemm_peak_gflops(sizes=(16,), devices=("cpu",)) == pytest.approx(2 * 16**3 / 2e-3 / 1e9)
