@@ -98,3 +98,13 @@ def test_an_unknown_engine_is_refused():
     done = subprocess.run([sys.executable, "-c", ENGINE_CHECK], env=env, capture_output=True, text=True, timeout=100)
     assert done.returncode != 0
     assert "TORCH_TPU_FP32_GEMM must be 'onednn' or 'blas', got 'mkl'" in done.stderr
+
+
+def test_a_bias_of_the_wrong_size_raises_as_on_cpu():
+    a, b, bias = torch.randn(256, 256), torch.randn(256, 256), torch.randn(255)
+    with pytest.raises(RuntimeError) as on_cpu:
+        torch.addmm(bias, a, b)
+    with pytest.raises(RuntimeError) as on_tpu_device:
+        with torch.tpu.precision("highest"):
+            torch.addmm(bias.to("tpu"), a.to("tpu"), b.to("tpu"))
+    assert str(on_tpu_device.value) == str(on_cpu.value)
