@@ -65,7 +65,11 @@ def test_medium_equals_the_bf16_rounded_reference(operands, name, fn):
     assert rel_err(fn(a, b), reference) > 1e-4
 
 
-@pytest.mark.parametrize("m, k, n", [(1, 1, 1), (9, 3, 17), (8, 64, 32), (65, 131, 33), (130, 2048, 70), (3, 7, 600)])
+@pytest.mark.parametrize(
+    "m, k, n",
+    # The last two: one row block split into panel ranges among the threads (15 and 19 panels).
+    [(1, 1, 1), (9, 3, 17), (8, 64, 32), (65, 131, 33), (130, 2048, 70), (3, 7, 600), (64, 2048, 456), (33, 1024, 600)],
+)
 def test_medium_gemm_edges(m, k, n):
     # Row blocks, column panels and odd k of the bf16 kernel: every remainder against the reference.
     g = torch.Generator().manual_seed(m * 1000 + n)
