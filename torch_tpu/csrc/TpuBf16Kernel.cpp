@@ -46,6 +46,24 @@ void convert_strided(const float* src, int64_t stride, int64_t count, uint16_t* 
   convert_run(gather.data(), count, dst);
 }
 
+// Two runs of floats (k and k + 1 of one operand; hi null past the end of k)
+// as bf16 pairs lo | hi << 16, element i to dst[i / 8 * group_stride + i % 8]:
+// the packed layouts take pairs in groups of 8 rows (a) or 32 columns (b).
+// Rounds as convert_run; writes whole groups of 8 (zeros past count).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+void pair_runs(const float* lo, const float* hi, int64_t count, uint32_t* dst, int64_t group_stride) {
+  for (int64_t i = 0; i < count; i += 8, dst += group_stride) {
+    const auto live = static_cast<__mmask8>(count - i >= 8 ? 0xff : (1u << (count - i)) - 1);
+    const __m256i l = _mm256_cvtepu16_epi32((__m128i)_mm256_cvtneps_pbh(_mm256_maskz_loadu_ps(live, lo + i)));
+    __m256i both = l;
+    if (hi != nullptr) {
+      const __m256i h = _mm256_cvtepu16_epi32((__m128i)_mm256_cvtneps_pbh(_mm256_maskz_loadu_ps(live, hi + i)));
+      both = _mm256_or_si256(l, _mm256_slli_epi32(h, 16));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), both);
+  }
+}
+
 // Panel p (32 columns) of the k x n right operand as bf16 pairs along k:
 // dst[k/2][32] (the layout vdpbf16ps multiplies), zero-padded.
 void pack_b_panel(const float* b, int64_t sk, int64_t sn, int64_t k, int64_t n, int64_t pairs, int64_t p,
@@ -58,6 +76,13 @@ void pack_b_panel(const float* b, int64_t sk, int64_t sn, int64_t k, int64_t n, 
     for (int64_t c = 0; c < cols; ++c) {
       convert_run(b + (j0 + c) * sn, k, scratch.data());
       for (int64_t kk = 0; kk < pairs; ++kk) dst[kk * kCols + c] = pairs_of[kk];
+    }
+    return;
+  }
+  if (sn == 1) {  // rows k0, k1 of the panel: contiguous runs, paired in vectors
+    for (int64_t kk = 0; kk < pairs; ++kk) {
+      const float* row = b + 2 * kk * sk + j0;
+      pair_runs(row, 2 * kk + 1 < k ? row + sk : nullptr, cols, dst + kk * kCols, 8);
     }
     return;
   }
@@ -84,13 +109,9 @@ void pack_a(const float* a, int64_t sm, int64_t sk, int64_t k, int64_t r0, int64
   std::fill(block, block + padded * pairs, 0u);
   auto at = [&](int64_t r, int64_t kk) -> uint32_t& { return block[(r / kRows) * pairs * kRows + kk * kRows + r % kRows]; };
   if (sm == 1 && sk != 1) {  // a transposed a: runs along the rows, two k at a time
-    scratch.assign(2 * rows, 0);
     for (int64_t kk = 0; kk < pairs; ++kk) {
-      const int64_t k0 = 2 * kk, k1 = 2 * kk + 1;
-      convert_run(a + k0 * sk + r0, rows, scratch.data());
-      if (k1 < k) convert_run(a + k1 * sk + r0, rows, scratch.data() + rows);
-      else std::fill(scratch.begin() + rows, scratch.end(), 0);
-      for (int64_t r = 0; r < rows; ++r) at(r, kk) = pair(scratch[r], scratch[rows + r]);
+      const float* run = a + 2 * kk * sk + r0;
+      pair_runs(run, 2 * kk + 1 < k ? run + sk : nullptr, rows, &at(0, kk), pairs * kRows);
     }
     return;
   }
