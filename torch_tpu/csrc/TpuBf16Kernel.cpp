@@ -218,7 +218,8 @@ void bf16_gemm_kernel(const float* a, int64_t sam, int64_t sak, const float* b, 
   constexpr int64_t kMinSplitMacs = int64_t{1} << 24;
   const int64_t blocks = (m + kRowBlock - 1) / kRowBlock;
   const int64_t threads = at::get_num_threads();
-  const int64_t splits = (blocks >= threads || m * n * k < kMinSplitMacs) ? 1 : std::min(panels, (threads + blocks - 1) / blocks);
+  const int64_t splits =
+      blocks >= threads || m * n * k < kMinSplitMacs ? 1 : std::min(panels, (threads + blocks - 1) / blocks);
   at::parallel_for(0, blocks * splits, 1, [&](int64_t first, int64_t last) {
     Scratch s;
     for (int64_t task = first; task < last; ++task) {
