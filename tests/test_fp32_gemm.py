@@ -52,20 +52,42 @@ def test_beta_zero_ignores_the_bias_and_the_bias_is_left_alone():
     assert torch.equal(bias_tpu.cpu(), bias)
 
 
-def test_highest_stays_fp32_under_a_bf16_onednn_math_mode():
-    # The CPU setting lets oneDNN multiply fp32 matmuls in bf16 (where it has
-    # bf16 math: on AMX CPUs; elsewhere oneDNN stays fp32 and only the
-    # setting's restoration is at stake): the tpu's highest precision must not
-    # follow it, and must leave it as it was.
-    a, b = operand(512, 256, False, 0), operand(256, 384, True, 1)
-    before = torch.backends.mkldnn.matmul.fp32_precision
+def bf16_mode_for_onednn():
     torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+
+
+def medium_cpu_matmuls():
+    torch.set_float32_matmul_precision("medium")  # sets oneDNN's fp32 matmul mode to bf16 too
+
+
+@pytest.mark.parametrize("cpu_setting", [bf16_mode_for_onednn, medium_cpu_matmuls])
+def test_highest_stays_fp32_under_a_cpu_setting_that_lets_onednn_round(cpu_setting):
+    # The CPU settings let oneDNN (and ATen's fp32 matmuls, which go to oneDNN
+    # then) multiply in bf16 where it has bf16 math: on AMX CPUs; elsewhere
+    # oneDNN stays fp32 and only the settings' restoration is at stake. The
+    # tpu's highest precision must not follow them, on either GEMM engine
+    # (a large mm goes to oneDNN off Intel, a small one to ATen), and must
+    # leave them as they were.
+    a, b = operand(512, 256, False, 0), operand(256, 384, True, 1)
+    small_a, small_b = operand(24, 40, False, 2), operand(40, 8, False, 3)
+    a3, b3 = torch.randn(4, 64, 96), torch.randn(4, 96, 80)
+    vec = torch.randn(256)
+    before = torch.backends.mkldnn.matmul.fp32_precision, torch.get_float32_matmul_precision()
     try:
+        cpu_setting()
+        setting = torch.backends.mkldnn.matmul.fp32_precision
         got = on_tpu(torch.mm, a, b)
-        assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"
+        got_small = on_tpu(torch.mm, small_a, small_b)
+        got_bmm = on_tpu(torch.bmm, a3, b3)
+        got_mv = on_tpu(torch.mv, a, vec)
+        assert torch.backends.mkldnn.matmul.fp32_precision == setting == "bf16"
     finally:
-        torch.backends.mkldnn.matmul.fp32_precision = before
+        torch.set_float32_matmul_precision(before[1])
+        torch.backends.mkldnn.matmul.fp32_precision = before[0]
     torch.testing.assert_close(got, exact(torch.mm, a, b).float(), rtol=1e-5, atol=4e-4)
+    torch.testing.assert_close(got_small, exact(torch.mm, small_a, small_b).float(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got_bmm, exact(torch.bmm, a3, b3).float(), rtol=1e-5, atol=2e-4)
+    torch.testing.assert_close(got_mv, exact(torch.mv, a, vec).float(), rtol=1e-5, atol=2e-4)
 
 
 ENGINE_CHECK = """

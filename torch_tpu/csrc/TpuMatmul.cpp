@@ -5,6 +5,7 @@
 #include "TpuFp32Gemm.h"
 #include "TpuHost.h"
 #include "TpuMxu.h"
+#include "TpuOnednn.h"
 #include "TpuPrecision.h"
 #include "TpuSmallBmm.h"
 
@@ -46,12 +47,24 @@ at::Tensor bf16_passes_gemm(const at::Tensor& a, const at::Tensor& b, const at::
   return {};
 }
 
+// ATen's fp32 matmul kept exact: the user's CPU setting (for one,
+// torch.set_float32_matmul_precision("medium")) would let ATen send it to
+// oneDNN's bf16 mode, which is not the tpu's precision.
+template <class F>
+at::Tensor exact_aten(F f) {
+  if (!onednn_math_is_inexact()) {
+    return f();
+  }
+  OnednnMathMode exact(at::Float32Precision::IEEE);
+  return f();
+}
+
 // An fp32 GEMM pass: oneDNN where it is the host's faster engine, else ATen's.
 at::Tensor fp32_mm(const at::Tensor& a, const at::Tensor& b) {
   if (auto fast = fp32_gemm(a, b, {}, 0, 1); fast.defined()) {
     return fast;
   }
-  return at::mm(a, b);
+  return exact_aten([&] { return at::mm(a, b); });
 }
 
 at::Tensor fp32_addmm(const at::Tensor& bias, const at::Tensor& a, const at::Tensor& b, const c10::Scalar& beta,
@@ -61,7 +74,7 @@ at::Tensor fp32_addmm(const at::Tensor& bias, const at::Tensor& a, const at::Ten
       return fast;
     }
   }
-  return at::addmm(bias, a, b, beta, alpha);
+  return exact_aten([&] { return at::addmm(bias, a, b, beta, alpha); });
 }
 
 } // namespace
@@ -87,7 +100,9 @@ at::Tensor bmm(const at::Tensor& a, const at::Tensor& b) {
       return small;
     }
   }
-  return on_mxu(a, b, [](const at::Tensor& a, const at::Tensor& b, bool) { return at::bmm(a, b); });
+  return on_mxu(a, b, [](const at::Tensor& a, const at::Tensor& b, bool) {
+    return exact_aten([&] { return at::bmm(a, b); });
+  });
 }
 
 at::Tensor addmm(const at::Tensor& bias, const at::Tensor& a, const at::Tensor& b, const c10::Scalar& beta,
@@ -103,7 +118,7 @@ at::Tensor addmm(const at::Tensor& bias, const at::Tensor& a, const at::Tensor& 
 at::Tensor baddbmm(const at::Tensor& bias, const at::Tensor& a, const at::Tensor& b, const c10::Scalar& beta,
                    const c10::Scalar& alpha) {
   return on_mxu(a, b, [&](const at::Tensor& a, const at::Tensor& b, bool rest) {
-    return rest ? at::baddbmm(bias, a, b, beta, alpha) : at::bmm(a, b).mul_(alpha);
+    return exact_aten([&] { return rest ? at::baddbmm(bias, a, b, beta, alpha) : at::bmm(a, b).mul_(alpha); });
   });
 }
 
@@ -194,14 +209,18 @@ at::Tensor tpu_bmm(const at::Tensor& self, const at::Tensor& mat2) {
 at::Tensor tpu_mv(const at::Tensor& self, const at::Tensor& vec) {
   return on_host("mv", {self, vec}, [&](HostScope& s) {
     return on_mxu(s.view(self), s.view(vec),
-                  [](const at::Tensor& a, const at::Tensor& b, bool) { return at::mv(a, b); });
+                  [](const at::Tensor& a, const at::Tensor& b, bool) {
+                    return exact_aten([&] { return at::mv(a, b); });
+                  });
   });
 }
 
 at::Tensor tpu_dot(const at::Tensor& self, const at::Tensor& other) {
   return on_host("dot", {self, other}, [&](HostScope& s) {
     return on_mxu(s.view(self), s.view(other),
-                  [](const at::Tensor& a, const at::Tensor& b, bool) { return at::dot(a, b); });
+                  [](const at::Tensor& a, const at::Tensor& b, bool) {
+                    return exact_aten([&] { return at::dot(a, b); });
+                  });
   });
 }
 
