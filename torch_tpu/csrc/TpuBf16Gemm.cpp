@@ -1,13 +1,12 @@
 #include "TpuBf16Gemm.h"
 
 #include "TpuBf16Kernel.h"
+#include "TpuGemmOperands.h"
 #include "TpuOnednn.h"
 #include "TpuPrecision.h"
 
-#include <ATen/ops/_to_copy.h>
 #include <ATen/ops/empty.h>
 
-#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/Utils.h>
 #include <ATen/native/CPUBlas.h>
@@ -331,30 +330,6 @@ void tiles_gemm(const at::Tensor& a, Part part, const at::Tensor& panels, int64_
 // single pass (tiles_take).
 void tiles_product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, float beta) {
   tiles_gemm(a, Part::kHi, rhs_panels(b, Part::kHi), b.size(2), out, beta);
-}
-
-// Whether a and b are fp32 matrices with a product to compute; raises for
-// shapes that cannot be multiplied.
-bool plain_product(const at::Tensor& a, const at::Tensor& b) {
-  if (a.dim() != 2 || b.dim() != 2 || a.scalar_type() != at::kFloat || b.scalar_type() != at::kFloat) {
-    return false;
-  }
-  const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
-  TORCH_CHECK(b.size(0) == k, "mat1 and mat2 shapes cannot be multiplied (", m, "x", k, " and ", b.size(0), "x", n, ")");
-  return m > 0 && n > 0 && k > 0;
-}
-
-// The result's starting value and the beta the GEMM applies to it: bias
-// broadcast to (m, n) when beta is not 0, else uninitialized memory (beta 0).
-std::pair<at::Tensor, float> initial_result(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias,
-                                            float beta) {
-  const int64_t m = a.size(0), n = b.size(1);
-  if (bias.defined() && beta != 0.0f) {
-    return {at::_to_copy(bias.expand({m, n}), at::kFloat, std::nullopt, std::nullopt, std::nullopt, false,
-                         c10::MemoryFormat::Contiguous),
-            beta};
-  }
-  return {at::empty({m, n}, a.options()), 0.0f};
 }
 
 } // namespace

@@ -1,9 +1,9 @@
 #include "TpuFp32Gemm.h"
 
+#include "TpuGemmOperands.h"
 #include "TpuOnednn.h"
 
 #include <ATen/Context.h>
-#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -40,29 +40,21 @@ bool onednn_in_use() {
 constexpr int64_t kMinMacs = int64_t{1} << 23;
 constexpr int64_t kMinSide = 16;
 
-bool takes(const at::Tensor& t) {
-  return t.dim() == 2 && t.scalar_type() == at::kFloat && t.device().is_cpu();
-}
-
 } // namespace
 
 at::Tensor fp32_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, float beta, float alpha) {
-  if (!onednn_in_use() || !takes(a) || !takes(b)) {
+  if (!onednn_in_use() || !plain_product(a, b)) {
     return {};
   }
   const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
   if (std::min({m, n, k}) < kMinSide || m * n * k < kMinMacs || alpha == 0.0f) {
     return {};
   }
-  const bool with_bias = bias.defined() && beta != 0.0f;
-  if (with_bias && (bias.scalar_type() != at::kFloat || bias.dim() > 2)) {
-    return {};
+  if (bias.defined() && beta != 0.0f && bias.scalar_type() != at::kFloat) {
+    return {};  // ATen's addmm refuses the mixed dtypes
   }
-  at::Tensor out = with_bias ? bias.expand({m, n}).contiguous() : at::empty({m, n}, a.options());
-  if (with_bias && out.data_ptr() == bias.data_ptr()) {
-    out = out.clone();  // the bias is (m, n) already: never write into it
-  }
-  onednn_matmul(a, b, out, with_bias ? beta : 0.0f, alpha, at::Float32Precision::IEEE);
+  auto [out, gemm_beta] = initial_result(a, b, bias, beta);
+  onednn_matmul(a, b, out, gemm_beta, alpha, at::Float32Precision::IEEE);
   return out;
 }
 
