@@ -40,6 +40,21 @@ def test_mm_and_addmm_are_fp32_exact(m, k, n, layout):
     torch.testing.assert_close(on_tpu(scaled, full_bias, a, b), exact(scaled, full_bias, a, b).float(), **tol)
 
 
+# The product and its bias are added apart on oneDNN: every bias ATen broadcasts,
+# on tpu tensors and through the MXU op that compiled graphs call on host tensors.
+@pytest.mark.parametrize("bias_shape", [(), (1, 320), (256, 1), (1, 1)])
+def test_addmm_broadcasts_every_bias_shape(bias_shape):
+    a, b = operand(256, 192, False, 0), operand(192, 320, True, 1)
+    bias = torch.randn(bias_shape, generator=torch.Generator().manual_seed(2))
+    scaled = lambda c, x, y: torch.addmm(c, x, y, beta=-1.5, alpha=0.5)
+    want = exact(scaled, bias, a, b).float()
+    tol = dict(rtol=1e-5, atol=2e-5 * 192**0.5)
+    torch.testing.assert_close(on_tpu(scaled, bias, a, b), want, **tol)
+    with torch.tpu.precision("highest"):
+        compiled_op = torch.ops.torch_tpu.mxu_addmm(bias, a, b, beta=-1.5, alpha=0.5)
+    torch.testing.assert_close(compiled_op, want, **tol)
+
+
 def test_beta_zero_ignores_the_bias_and_the_bias_is_left_alone():
     a, b = operand(256, 256, False, 0), operand(256, 256, True, 1)
     nan_bias = torch.full((256, 256), float("nan"))
