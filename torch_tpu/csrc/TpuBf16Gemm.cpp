@@ -5,6 +5,7 @@
 #include "TpuOnednn.h"
 #include "TpuPrecision.h"
 
+#include <ATen/ops/_to_copy.h>
 #include <ATen/ops/empty.h>
 
 #include <ATen/Parallel.h>
@@ -16,6 +17,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace torch_tpu {
@@ -330,6 +332,20 @@ void tiles_gemm(const at::Tensor& a, Part part, const at::Tensor& panels, int64_
 // single pass (tiles_take).
 void tiles_product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, float beta) {
   tiles_gemm(a, Part::kHi, rhs_panels(b, Part::kHi), b.size(2), out, beta);
+}
+
+// The result's starting value and the beta the GEMM applies to it: bias
+// broadcast to (m, n) when beta is not 0 (a copy: the GEMM writes it), else
+// uninitialized memory (beta 0).
+std::pair<at::Tensor, float> initial_result(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias,
+                                            float beta) {
+  const int64_t m = a.size(0), n = b.size(1);
+  if (bias.defined() && beta != 0.0f) {
+    return {at::_to_copy(bias.expand({m, n}), at::kFloat, std::nullopt, std::nullopt, std::nullopt, false,
+                         c10::MemoryFormat::Contiguous),
+            beta};
+  }
+  return {at::empty({m, n}, a.options()), 0.0f};
 }
 
 } // namespace

@@ -4,6 +4,7 @@
 #include "TpuOnednn.h"
 
 #include <ATen/Context.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -50,7 +51,8 @@ at::Tensor fp32_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
   if (std::min({m, n, k}) < kMinSide || m * n * k < kMinMacs || alpha == 0.0f) {
     return {};
   }
-  if (bias.defined() && beta != 0.0f && bias.scalar_type() != at::kFloat) {
+  const bool biased = bias.defined() && beta != 0.0f;
+  if (biased && bias.scalar_type() != at::kFloat) {
     return {};  // ATen's addmm refuses the mixed dtypes
   }
   // The product first, then the bias added in place. Handed the bias as the
@@ -59,7 +61,6 @@ at::Tensor fp32_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
   // bias vector 1.08x faster, 2048x256x64 1.05x, DLRM's larger layers
   // 1.01-1.03x. With alpha = beta = 1 the sums are the same: one fp32
   // rounding of product + bias either way.
-  const bool biased = bias.defined() && beta != 0.0f;
   const at::Tensor addend = biased ? bias.expand({m, n}) : at::Tensor();  // ATen's own size check and message
   at::Tensor out = at::empty({m, n}, a.options());
   onednn_matmul(a, b, out, 0.0f, alpha, at::Float32Precision::IEEE);
