@@ -206,6 +206,46 @@ def test_short_bags_merge_exactly_their_repeats(dtype):
         assert sorted(got[bag]) == sorted((i, float(c)) for i, c in counts.items()), f"bag {bag} of {len(ids)} ids"
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_a_bags_merged_entries_keep_first_occurrence_order_and_sum_gains_in_bag_order(dtype):
+    """Bags of up to 128 ids, most repeating (ids from a 12-row table), with weights whose fp32
+    sum depends on its order (1e8 + 1 - 1e8 is 0, 1e8 - 1e8 + 1 is 1): within each (receiver,
+    owner) group a bag's entries come in the order of their first occurrence, and each gain is
+    the float32 sum of its id's weights in bag order, to the bit."""
+    import numpy as np
+
+    n, rows = 4, 12
+    stacks = plan_stacks([dataclasses.replace(one_table(rows=rows, n=n)[0].tables[0], max_ids_per_partition=1 << 16,
+                                              max_unique_ids_per_partition=1 << 16)], n)
+    g = torch.Generator().manual_seed(3)
+    bags = [torch.randint(0, rows, (length,), generator=g).tolist()
+            for length in [*range(1, 40), 63, 64, 65, 100, 127, 128] for _ in range(2)]
+    palette = torch.tensor([1e8, 1.0, -1e8, 0.5, 3.0, -2.25])
+    weights = palette[torch.randint(0, len(palette), (sum(map(len, bags)),), generator=g)]
+    features = KeyedJaggedTensor.from_lengths_sync(
+        keys=["f"], values=torch.tensor([i for bag in bags for i in bag], dtype=dtype),
+        lengths=torch.tensor([len(bag) for bag in bags]), weights=weights)
+    batch = preprocess_stacks(features, stacks).stacks[stacks[0].name]
+
+    got = {}  # (bag, owner) -> [(row, gain)] in buffer order
+    for r in range(n):
+        for o in range(n):
+            start, end = batch.group_start(r, o), int(batch.row_pointers[r, o])
+            for i in range(start, end):
+                got.setdefault((int(batch.sample_ids[r, i]), o), []).append(
+                    (int(batch.embedding_ids[r, i]), float(batch.gains[r, i])))
+    expected, at = {}, 0
+    for b, bag in enumerate(bags):
+        sums: dict[int, np.float32] = {}  # insertion order: first occurrences
+        for i in bag:
+            w = np.float32(weights[at])
+            sums[i] = w if i not in sums else np.float32(sums[i] + w)
+            at += 1
+        for i, total in sums.items():
+            expected.setdefault((b, i % n), []).append((i // n, float(total)))
+    assert got == expected
+
+
 def test_buffer_widths_are_bucketed():
     """Widths round up to a few shapes (8 steps per power of two, multiples of ALIGNMENT),
     wasting at most an eighth. (Lookups through padded buffers are what every other test runs.)"""
