@@ -317,7 +317,8 @@ class DistinctRows {
     word |= bit;
     return was;
   }
-  void clear(int32_t row) { bits_[row >> 6] = 0; }
+  // Only the row's own bit: its word holds the bits of other rows still counted.
+  void clear(int32_t row) { bits_[row >> 6] &= ~(uint64_t{1} << (row & 63)); }
 
  private:
   std::vector<uint64_t> bits_;

@@ -107,6 +107,53 @@ def test_dropping_keeps_what_fits_and_counts_the_rest():
     assert batch.stats[stacks[0].name].max_ids_per_partition == 5
 
 
+def _kept_by_policy(group, max_ids, max_unique):
+    """A partition's entries that dropping keeps: in order while they fit, an entry of a row
+    already kept always fitting the distinct-row limit."""
+    kept, rows = [], set()
+    for entry in group:
+        if len(kept) == max_ids:
+            break
+        if entry[0] not in rows:
+            if len(rows) == max_unique:
+                continue
+            rows.add(entry[0])
+        kept.append(entry)
+    return kept
+
+
+def test_dropping_keeps_a_row_it_has_kept_after_refusing_another():
+    """Rows 0 and 1 fill the distinct-row limit, row 2 is refused, and the last bag's row 0
+    (kept already, within the id limit) stays: one id dropped, as the sequence path does."""
+    cfg = dataclasses.replace(one_table(rows=8, n=1)[0].tables[0], max_ids_per_partition=10,
+                              max_unique_ids_per_partition=2)
+    stacks = plan_stacks([cfg], 1)
+    batch = preprocess_stacks(kjt({"f": [[0], [1], [2], [0]]}), stacks, allow_id_dropping=True)
+    assert entries(batch.stacks[stacks[0].name])[(0, 0)] == [(0, 0, 1.0), (1, 1, 1.0), (0, 3, 1.0)]
+    assert batch.stats[stacks[0].name].dropped_ids == 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dropping_keeps_exactly_what_fits_in_every_partition(seed):
+    """Random bags over 200 rows (ids of many rows share a bitmap word), limits below what the
+    batch needs: every (receiver, owner) group holds what the policy keeps of the same batch's
+    undropped group, and the dropped count is the difference."""
+    g = torch.Generator().manual_seed(seed)
+    bags = [torch.randint(0, 200, (int(torch.randint(0, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(16)]
+    table = one_table(rows=200, n=2)[0].tables[0]
+    free = plan_stacks([dataclasses.replace(table, max_ids_per_partition=1 << 16,
+                                            max_unique_ids_per_partition=1 << 16)], 2)
+    limited = plan_stacks([dataclasses.replace(table, max_ids_per_partition=20, max_unique_ids_per_partition=9)], 2)
+    full = entries(preprocess_stacks(kjt({"f": bags}), free).stacks[free[0].name])
+    batch = preprocess_stacks(kjt({"f": bags}), limited, allow_id_dropping=True)
+    got = entries(batch.stacks[limited[0].name])
+    expected = {p: _kept_by_policy(group, 20, 9) for p, group in full.items()}
+    assert got == expected
+    dropped = sum(len(full[p]) - len(expected[p]) for p in full)
+    assert dropped > 0 and batch.stats[limited[0].name].dropped_ids == dropped
+
+
 def test_sequence_features_keep_every_id_as_its_own_row_and_truncate():
     cfg = SparseCoreEmbeddingConfig(config=EmbeddingConfig(name="s", num_embeddings=8, embedding_dim=4, feature_names=["q"]), max_seq_len=2)
     stacks = plan_stacks([cfg], 2)
