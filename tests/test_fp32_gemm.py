@@ -153,3 +153,15 @@ def test_a_bias_of_the_wrong_size_raises_as_on_cpu():
         with torch.tpu.precision("highest"):
             torch.addmm(bias.to("tpu"), a.to("tpu"), b.to("tpu"))
     assert str(on_tpu_device.value) == str(on_cpu.value)
+
+
+@pytest.mark.parametrize("use_gelu", [True, False])
+def test_addmm_activation_is_cpus_exact_gelu_or_relu(use_gelu):
+    """torch._addmm_activation (the linear + activation some paths fuse): ATen's CPU kernel
+    applies the exact GELU (erf), not the tanh approximation CUDA uses (1.5e-4 apart at 1)."""
+    g = torch.Generator().manual_seed(0)
+    bias, a, b = torch.randn(24, generator=g), torch.randn(16, 32, generator=g), torch.randn(32, 24, generator=g)
+    want = torch._addmm_activation(bias, a, b, use_gelu=use_gelu)
+    with torch.tpu.precision("highest"):
+        got = torch._addmm_activation(bias.to("tpu"), a.to("tpu"), b.to("tpu"), use_gelu=use_gelu).cpu()
+    torch.testing.assert_close(got, want)

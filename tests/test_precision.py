@@ -308,3 +308,56 @@ def test_medium_on_each_gemm_engine_gives_the_same_results(kernel):
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=100)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
 
+
+
+def _at(precision, fn, *tensors):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.tpu.precision(precision):
+            return on_tpu(fn, *tensors)
+
+
+@pytest.mark.parametrize("precision", ["medium", "high", "highest"])
+def test_infinite_operands_give_ieee_infinities_at_every_precision(precision):
+    """An inf operand makes an inf where IEEE fp32 (CPU) does and NaN only where it does too
+    (inf - inf): high's split (lo = inf - inf) and its correction passes (inf x 0) must not
+    turn the infs into NaN. mm, bmm, addmm and a convolution, against CPU."""
+    a = torch.tensor([[float("inf"), 1.0, 0.5], [2.0, 3.0, -1.0], [float("-inf"), 1.0, 1.0]])
+    b = torch.tensor([[1.0, 2.0], [1.0, 1.0], [float("inf"), 0.25]])
+    bias = torch.tensor([0.5, -1.0])
+    signal, kernel = torch.tensor([[[float("inf"), 1.0, 2.0, 3.0]]]), torch.tensor([[[1.0, 0.5]]])
+    cases = [(torch.mm, (a, b)), (torch.bmm, (a[None], b[None])), (torch.addmm, (bias, a, b)),
+             (torch.nn.functional.conv1d, (signal, kernel))]
+    for fn, args in cases:
+        want = fn(*args)
+        assert not want.isnan().all()  # the case has infs to keep
+        torch.testing.assert_close(_at(precision, fn, *args), want, equal_nan=True, rtol=0, atol=0.05)
+
+
+@pytest.mark.parametrize("precision", ["medium", "high", "highest"])
+def test_a_product_scaled_by_zero_is_not_formed(precision):
+    """alpha = 0: the product of operands holding inf and NaN is not formed (0 * inf would be
+    NaN), as CPU's BLAS and ATen kernels do: addmm, baddbmm, addmv and addbmm give beta * self."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(40, 48, generator=g), torch.randn(48, 36, generator=g)
+    a[3, 5], b[7, 2] = float("inf"), float("nan")
+    cases = [(torch.addmm, torch.randn(40, 36, generator=g), a, b),
+             (torch.baddbmm, torch.randn(2, 40, 36, generator=g), a.expand(2, -1, -1), b.expand(2, -1, -1)),
+             (torch.addmv, torch.randn(40, generator=g), a, b[:, 2]),
+             (torch.addbmm, torch.randn(40, 36, generator=g), a.expand(2, -1, -1), b.expand(2, -1, -1))]
+    for fn, bias, m1, m2 in cases:
+        op = lambda s, x, y: fn(s, x, y, beta=0.5, alpha=0)  # noqa: E731
+        want = op(bias, m1, m2)
+        assert want.isfinite().all()
+        torch.testing.assert_close(_at(precision, op, bias, m1, m2), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("precision", ["medium", "high", "highest"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_a_bias_of_another_dtype_is_refused_as_on_cpu(precision, dtype):
+    a, b, bias = torch.randn(8, 16), torch.randn(16, 4), torch.randn(4, dtype=dtype)
+    with pytest.raises(RuntimeError) as on_cpu:
+        torch.addmm(bias, a, b)
+    with pytest.raises(RuntimeError, match="must have the same dtype") as on_device:
+        _at(precision, torch.addmm, bias, a, b)
+    assert str(on_device.value).splitlines()[0] == str(on_cpu.value).splitlines()[0]

@@ -138,3 +138,19 @@ def test_generator_offsets_are_named_as_the_tpu_s():
     for call in (g.get_offset, lambda: g.set_offset(4)):
         with pytest.raises(RuntimeError, match="tpu generators draw from an mt19937 stream"):
             call()
+
+
+def test_native_dropout_edges_are_cpus():
+    """p = 1 scales the kept values by 0, so an inf or NaN input gives NaN (not 0), and an
+    empty input comes back as itself with a mask of its dtype: ATen's CPU kernel, both."""
+    x = torch.tensor([float("inf"), float("nan"), 1.0, -2.0])
+    want_out, want_mask = torch.native_dropout(x, 1.0, True)
+    out, mask = torch.native_dropout(x.to("tpu"), 1.0, True)
+    torch.testing.assert_close(out.cpu(), want_out, equal_nan=True)
+    assert mask.dtype == want_mask.dtype and not mask.cpu().any()
+    empty = torch.empty(0, 3)
+    cpu_out, cpu_mask = torch.native_dropout(empty, 0.5, True)
+    tpu_empty = empty.to("tpu")
+    out, mask = torch.native_dropout(tpu_empty, 0.5, True)
+    assert (cpu_out is empty) and (out is tpu_empty)
+    assert mask.dtype == cpu_mask.dtype and mask.shape == cpu_mask.shape and mask.device == tpu_empty.device

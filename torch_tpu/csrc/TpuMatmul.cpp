@@ -33,7 +33,9 @@ namespace {
 // high's three on AMX tiles (elsewhere high runs them as fp32 GEMMs, on_mxu).
 at::Tensor bf16_passes_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias,
                             const c10::Scalar& beta, const c10::Scalar& alpha) {
-  if (bias.defined() && !bias.is_floating_point()) {
+  // A bias of another dtype goes on to the fp32 engine, which refuses it as ATen does; a
+  // product scaled by zero, to on_mxu_scaled.
+  if ((bias.defined() && bias.scalar_type() != a.scalar_type()) || is_zero(alpha)) {
     return {};
   }
   switch (effective_precision(a, b)) {
@@ -110,14 +112,14 @@ at::Tensor addmm(const at::Tensor& bias, const at::Tensor& a, const at::Tensor& 
   if (auto fast = bf16_passes_gemm(a, b, bias, beta, alpha); fast.defined()) {
     return fast;
   }
-  return on_mxu(a, b, [&](const at::Tensor& a, const at::Tensor& b, bool rest) {
+  return on_mxu_scaled(a, b, alpha, [&](const at::Tensor& a, const at::Tensor& b, bool rest) {
     return rest ? fp32_addmm(bias, a, b, beta, alpha) : fp32_mm(a, b).mul_(alpha);
   });
 }
 
 at::Tensor baddbmm(const at::Tensor& bias, const at::Tensor& a, const at::Tensor& b, const c10::Scalar& beta,
                    const c10::Scalar& alpha) {
-  return on_mxu(a, b, [&](const at::Tensor& a, const at::Tensor& b, bool rest) {
+  return on_mxu_scaled(a, b, alpha, [&](const at::Tensor& a, const at::Tensor& b, bool rest) {
     return exact_aten([&] { return rest ? at::baddbmm(bias, a, b, beta, alpha) : at::bmm(a, b).mul_(alpha); });
   });
 }
@@ -242,7 +244,7 @@ at::Tensor tpu_addmv(const at::Tensor& self, const at::Tensor& mat, const at::Te
                  const c10::Scalar& beta, const c10::Scalar& alpha) {
   return on_host("addmv", {self, mat, vec}, [&](HostScope& s) {
     const auto bias = s.view(self);
-    return on_mxu(s.view(mat), s.view(vec), [&](const at::Tensor& a, const at::Tensor& b, bool rest) {
+    return on_mxu_scaled(s.view(mat), s.view(vec), alpha, [&](const at::Tensor& a, const at::Tensor& b, bool rest) {
       return rest ? at::addmv(bias, a, b, beta, alpha) : at::mv(a, b).mul_(alpha);
     });
   });
@@ -252,7 +254,7 @@ at::Tensor tpu_addbmm(const at::Tensor& self, const at::Tensor& batch1, const at
                       const c10::Scalar& beta, const c10::Scalar& alpha) {
   return on_host("addbmm", {self, batch1, batch2}, [&](HostScope& s) {
     const auto bias = s.view(self);
-    return on_mxu(s.view(batch1), s.view(batch2), [&](const at::Tensor& a, const at::Tensor& b, bool rest) {
+    return on_mxu_scaled(s.view(batch1), s.view(batch2), alpha, [&](const at::Tensor& a, const at::Tensor& b, bool rest) {
       return rest ? at::addbmm(bias, a, b, beta, alpha) : at::bmm(a, b).sum(0).mul_(alpha);
     });
   });
@@ -284,7 +286,7 @@ at::Tensor tpu_addmm_activation(const at::Tensor& self, const at::Tensor& mat1,
                                 const at::Tensor& mat2, const c10::Scalar& beta,
                                 const c10::Scalar& alpha, bool use_gelu) {
   auto out = tpu_addmm(self, mat1, mat2, beta, alpha);
-  return use_gelu ? at::gelu_(out, "tanh") : at::relu_(out);
+  return use_gelu ? at::gelu_(out) : at::relu_(out);  // the exact GELU, as ATen's CPU kernel (CUDA's is tanh)
 }
 
 at::Tensor& tpu_mm_out(const at::Tensor& self, const at::Tensor& mat2, at::Tensor& out) {

@@ -5,7 +5,9 @@
 //   highest: exact fp32
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/isfinite.h>
 #include <ATen/ops/sub.h>
+#include <c10/core/Scalar.h>
 
 #include <cstdint>
 #include <cstring>
@@ -25,6 +27,13 @@ void set_matmul_precision(Precision p);
 // alone (no bias / beta*self), used for the extra passes of `high`.
 template <class F>
 at::Tensor on_mxu(const at::Tensor& a, const at::Tensor& b, F f);
+
+// on_mxu for an op whose product is scaled by alpha (addmm and kin). A product
+// scaled by zero is not formed, as BLAS and ATen's CPU kernels do: the op runs
+// on the operands as they are, so an inf or NaN in them does not become
+// 0 * inf = NaN in the result, whatever the precision.
+template <class F>
+at::Tensor on_mxu_scaled(const at::Tensor& a, const at::Tensor& b, const c10::Scalar& alpha, F f);
 
 // bf16 rounding that stays fp32: the value the MXU multiplies.
 at::Tensor round_to_bf16(const at::Tensor& t);
@@ -80,6 +89,18 @@ __attribute__((target("avx2"))) inline __m256 bf16_round8(__m256 v) {
 
 Precision effective_precision(const at::Tensor& a, const at::Tensor& b);
 
+inline bool is_zero(const c10::Scalar& s) {
+  return s.toComplexDouble() == 0.0;
+}
+
+template <class F>
+at::Tensor on_mxu_scaled(const at::Tensor& a, const at::Tensor& b, const c10::Scalar& alpha, F f) {
+  if (is_zero(alpha)) {
+    return f(a, b, true);
+  }
+  return on_mxu(a, b, f);
+}
+
 template <class F>
 at::Tensor on_mxu(const at::Tensor& a, const at::Tensor& b, F f) {
   switch (effective_precision(a, b)) {
@@ -91,8 +112,12 @@ at::Tensor on_mxu(const at::Tensor& a, const at::Tensor& b, F f) {
       const auto [a_hi, a_lo] = split_bf16(a);
       const auto [b_hi, b_lo] = split_bf16(b);
       auto out = f(a_hi, b_hi, true);
-      out.add_(f(a_hi, b_lo, false));
-      out.add_(f(a_lo, b_hi, false));
+      auto correction = f(a_hi, b_lo, false);
+      correction.add_(f(a_lo, b_hi, false));
+      // Where the first pass is already inf or NaN, so is an operand (an inf's low part,
+      // inf - inf, is NaN, and an inf times a low part of 0 is NaN too): the corrections
+      // there would turn an inf into NaN, where IEEE fp32 gives the inf.
+      out.add_(correction.masked_fill_(out.isfinite().logical_not_(), 0));
       return out;
     }
   }

@@ -8,7 +8,6 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/ones_like.h>
-#include <ATen/ops/zeros_like.h>
 #include <torch/library.h>
 
 namespace torch_tpu {
@@ -16,6 +15,9 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor> native_dropout(
     const at::Tensor& input, double p, std::optional<bool> train) {
+  if (input.numel() == 0) {
+    return {input, at::empty_like(input)};  // as ATen's CPU kernel: the input itself, a mask of its dtype
+  }
   HostScope scope(input.device().index());
   const auto x = scope.view(input);
   at::Tensor out, mask;
@@ -26,7 +28,8 @@ std::tuple<at::Tensor, at::Tensor> native_dropout(
     const auto gen = host_generator(std::nullopt, scope.device());
     const double keep = 1 - p;
     mask = at::empty_like(x, x.options().dtype(at::kBool)).bernoulli_(keep, gen);
-    out = p == 1 ? at::zeros_like(x) : at::mul(at::mul(x, mask), 1.0 / keep);
+    // p = 1 scales by 0, as ATen's CPU kernel: an inf or NaN input gives NaN, not 0.
+    out = at::mul(at::mul(x, mask), keep == 0 ? 0.0 : 1.0 / keep);
   }
   scope.write_back();
   return {scope.adopt(out), scope.adopt(mask)};
