@@ -335,18 +335,31 @@ def _checked_splits(splits: Any, rows: int, where: str) -> dict[str, list[int]]:
     return out
 
 
+_STORE_FILES = frozenset([META_FILE, *(c.file for c in _COLUMNS)])
+
+
 def _check_replaceable(out_dir: Path) -> None:
-    """Refuses to overwrite anything but an earlier store (or an empty directory)."""
+    """Refuses to overwrite anything but an earlier store (or an empty directory). A store is
+    replaced whole, so a directory that also holds other files (a run's checkpoints, the raw
+    input itself) is refused with their names: replacing it would delete them."""
     if not out_dir.exists():
         return
     if not out_dir.is_dir():
         raise FileExistsError(f"{out_dir}: exists and is not a directory; choose another output path")
-    if (out_dir / META_FILE).is_file() or not any(out_dir.iterdir()):
+    names = {entry.name for entry in out_dir.iterdir()}
+    if not names:
         return
-    raise FileExistsError(
-        f"{out_dir}: exists and is not a Criteo store (no {META_FILE}); refusing to replace it, "
-        f"choose another output path or remove it"
-    )
+    if META_FILE not in names:
+        raise FileExistsError(
+            f"{out_dir}: exists and is not a Criteo store (no {META_FILE}); refusing to replace it, "
+            f"choose another output path or remove it"
+        )
+    others = sorted(names - _STORE_FILES)
+    if others:
+        raise FileExistsError(
+            f"{out_dir}: holds a Criteo store and other files ({', '.join(others)}); replacing the store would "
+            f"delete them: move them out, or choose another output path"
+        )
 
 
 def _fsync_dir(path: Path) -> None:

@@ -13,6 +13,7 @@ rowwise_adagrad); ``data_type`` fp32, fp16 or bf16 (default fp32).
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import math
@@ -85,6 +86,7 @@ def _records(path: Path) -> list[dict[str, Any]]:
     suffix = path.suffix.lower()
     try:
         if suffix == ".csv":
+            _check_field_counts(path)
             # Every cell as written: no type guessing ("007" stays "007") and no NA words ("NA",
             # "null" are names); _table parses the numbers and reads an empty cell as unset.
             frame = pd.read_csv(path, dtype=str, keep_default_na=False)
@@ -111,6 +113,21 @@ def _records(path: Path) -> list[dict[str, Any]]:
     if unknown:
         raise SpecError(f"{path}: unknown column(s) {unknown}")
     return frame.astype(object).where(frame.notna(), None).to_dict("records")
+
+
+def _check_field_counts(path: Path) -> None:
+    """Every line of a CSV table list has as many fields as its header. pandas would read a
+    line with one more as an index and shift its values a column left (a table named by its
+    size), and one with fewer as unset fields."""
+    with open(path, newline="") as f:
+        lines = csv.reader(f, strict=True)  # a broken quote: csv.Error, "not a readable CSV table list"
+        header = next(lines, None)
+        if header is None:
+            return  # empty: pandas' own message
+        for line, fields in enumerate(lines, start=2):
+            if fields and len(fields) != len(header):
+                raise SpecError(f"{path}, line {line}: {len(fields)} fields where the header has {len(header)} "
+                                f"({','.join(header)}); expected one value per column (an empty one for unset)")
 
 
 def _integer(value: Any) -> Any:

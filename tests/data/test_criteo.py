@@ -326,6 +326,18 @@ def test_writer_refuses_to_replace_other_directories(tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "keep me"
 
 
+def test_writer_keeps_a_store_directory_holding_other_files(tmp_path):
+    """A store's directory that also holds other files (a run's checkpoint, the raw input) is
+    not replaced: replacing the store whole would delete them."""
+    out = tmp_path / "store"
+    old = small_store(out, rows=4, seed=5)
+    (out / "checkpoint.pt").write_bytes(b"a run's checkpoint")
+    with pytest.raises(FileExistsError, match=r"other files \(checkpoint.pt\)"):
+        ArrayWriter(out, KAGGLE_TABLE_SIZES)
+    assert (out / "checkpoint.pt").read_bytes() == b"a run's checkpoint"
+    np.testing.assert_array_equal(open_arrays(out)["train"].labels, old[2])
+
+
 # ---- CLI ----
 
 

@@ -128,6 +128,12 @@ def test_the_three_formats_read_the_same_tables(tmp_path):
     (tmp_path / "short.csv").write_text("name,embedding_dim\nt,8\n")
     with pytest.raises(SpecError, match="missing column.*num_embeddings"):
         read_tables(tmp_path / "short.csv")
+    # A line with a field more or less than the header: named, not read shifted (pandas made the
+    # first field an index: a table "50000000" of 128 rows of dim 1).
+    for line in ("big,50000000,128,1", "big,50000000,128,", "big,50000000"):
+        (tmp_path / "fields.csv").write_text(f"name,num_embeddings,embedding_dim\nt,8,4\n{line}\n")
+        with pytest.raises(SpecError, match=r"fields.csv, line 3: \d fields where the header has 3"):
+            read_tables(tmp_path / "fields.csv")
 
 
 def run_module(*args: str) -> subprocess.CompletedProcess:
