@@ -17,7 +17,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
 
 import torch
@@ -51,8 +51,9 @@ def save(path: Path, payload: dict[str, Any]) -> None:
     write_atomically(path, lambda f: torch.save({"format": FORMAT, **payload}, f))
 
 
-def load(path: Path) -> dict[str, Any]:
-    """Reads a checkpoint written by :func:`save` (tensors on the host)."""
+def load(path: Path, required: Sequence[str] = ()) -> dict[str, Any]:
+    """Reads a checkpoint written by :func:`save` (tensors on the host), which must hold the
+    ``required`` entries."""
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
     try:
@@ -61,6 +62,10 @@ def load(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not a readable checkpoint (truncated or corrupt?): {error}") from error
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a {FORMAT} checkpoint")
+    missing = [key for key in required if key not in payload]
+    if missing:
+        raise CheckpointError(f"{path} lacks {', '.join(missing)}: not a complete checkpoint of this run's kind "
+                              f"(it holds {', '.join(k for k in payload if k != 'format')})")
     return payload
 
 

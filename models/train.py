@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -177,8 +178,12 @@ class TrainConfig:
             sizes = getattr(self, name)
             if not sizes or min(sizes) < 1:
                 raise ValueError(f"{name} {sizes}: expected layer sizes >= 1")
-        if not self.scale > 0:
-            raise ValueError(f"scale {self.scale}: expected a factor > 0")
+        if not 0 < self.scale < math.inf:
+            raise ValueError(f"scale {self.scale}: expected a finite factor > 0")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed {self.seed}: expected an integer in [0, 2**32)")
+        if not 1.0 <= self.limits_headroom < math.inf:
+            raise ValueError(f"limits_headroom {self.limits_headroom}: expected a finite factor >= 1.0")
 
     def comparable(self) -> dict[str, Any]:
         """What a checkpoint must agree on to be resumed (not run length or bookkeeping)."""
@@ -291,6 +296,9 @@ def build_model(cfg: TrainConfig, data: Data, device: torch.device) -> torch.nn.
 
 LIMITS_FILENAME = "sparsecore_limits.json"
 LIMITS_FORMAT = "torch_tpu.sparsecore-limits.v1"
+LIMIT_KEYS = ("max_ids_per_partition", "max_unique_ids_per_partition")
+CHECKPOINT_ENTRIES = ("config", "step", "model", "embedding_optimizer", "dense_optimizer")
+"""What a single-process checkpoint holds; a resume refuses one that lacks any."""
 
 
 def read_limits(path: Path) -> dict[str, dict[str, int]]:
@@ -304,6 +312,11 @@ def read_limits(path: Path) -> dict[str, dict[str, int]]:
     tables = payload.get("tables")
     if not isinstance(tables, dict) or not all(isinstance(v, dict) for v in tables.values()):
         raise ValueError(f"--limits {path}: expected \"tables\": {{table: {{limit: count}}}}, got {tables!r:.80}")
+    for table, seen in tables.items():
+        for key in LIMIT_KEYS:
+            value = seen.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"--limits {path}: table {table!r} has {key} {value!r}; expected a count >= 0")
     return tables
 
 
@@ -438,13 +451,15 @@ class Trainer:
                                     {"config": self.cfg.comparable(), "step": self.step})
             logger.info("checkpoint at step %d: %s", self.step, self.checkpoint_path)
             return
-        checkpoint.save(self.checkpoint_path, {
+        entries = {
             "config": self.cfg.comparable(),
             "step": self.step,
             "model": self.model.state_dict(),
             "embedding_optimizer": self.ebc.fused_optimizer.state_dict(),
             "dense_optimizer": self.dense_opt.state_dict(),
-        })
+        }
+        assert tuple(entries) == CHECKPOINT_ENTRIES
+        checkpoint.save(self.checkpoint_path, entries)
         logger.info("checkpoint at step %d: %s", self.step, self.checkpoint_path)
 
     def _check_config(self, saved: dict[str, Any]) -> None:
@@ -468,7 +483,7 @@ class Trainer:
             self.step = step
             logger.info("resumed from %s at step %d", self.checkpoint_path, self.step)
             return
-        payload = checkpoint.load(self.checkpoint_path)
+        payload = checkpoint.load(self.checkpoint_path, CHECKPOINT_ENTRIES)
         self._check_config(payload["config"])
         step = self._resumable_step(payload["step"])  # before loading: a refused checkpoint loads nothing
         self.model.load_state_dict(payload["model"])
@@ -721,6 +736,10 @@ def main(argv: list[str] | None = None) -> int:
         summary = train(cfg)
     except (checkpoint.CheckpointError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
+        return 2
+    except torch.OutOfMemoryError as error:  # its message names the device, the request and what is free
+        print(f"error: {' '.join(str(error).split())} (smaller tables: --scale, --embedding-dim; or more devices)",
+              file=sys.stderr)
         return 2
     finally:
         if torch.distributed.is_initialized():

@@ -312,6 +312,17 @@ def test_corrupt_checkpoint_stops_a_resume(saved_checkpoint, tmp_path):
         Trainer(dataclasses.replace(cfg, checkpoint_dir=str(tmp_path), resume=True))
 
 
+def test_a_checkpoint_lacking_an_entry_stops_a_resume(saved_checkpoint, tmp_path):
+    """A checkpoint of the right format without, say, its dense optimizer's state is refused by
+    name before anything is loaded (it raised a KeyError after loading the model)."""
+    cfg, good = saved_checkpoint
+    payload = torch.load(good, weights_only=True)
+    del payload["dense_optimizer"]
+    torch.save(payload, tmp_path / checkpoint.FILENAME)
+    with pytest.raises(checkpoint.CheckpointError, match="lacks dense_optimizer"):
+        Trainer(dataclasses.replace(cfg, checkpoint_dir=str(tmp_path), resume=True))
+
+
 @pytest.mark.parametrize("change", [
     {"embedding_dim": 16, "dense_arch": (16, 16)},
     {"embedding_lr": 0.1},

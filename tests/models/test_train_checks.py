@@ -69,6 +69,21 @@ def test_config_refuses_out_of_range_counts(setting, value):
         small(**{setting: value})
 
 
+@pytest.mark.parametrize("setting, value, message", [
+    ("scale", float("inf"), "scale inf: expected a finite factor > 0"),
+    ("scale", float("nan"), "scale nan: expected a finite factor > 0"),
+    ("seed", -1, r"seed -1: expected an integer in \[0, 2\*\*32\)"),
+    ("seed", 2**64, "seed 18446744073709551616: expected an integer in"),
+    ("limits_headroom", float("nan"), "limits_headroom nan: expected a finite factor >= 1.0"),
+    ("limits_headroom", 0.5, "limits_headroom 0.5: expected a finite factor >= 1.0"),
+])
+def test_config_refuses_unusable_factors_and_seeds(setting, value, message):
+    """Refused by name up front: an infinite scale or a seed numpy cannot take failed deep in
+    the data's construction (OverflowError tracebacks), a NaN headroom in a cast."""
+    with pytest.raises(ValueError, match=message):
+        small(**{setting: value})
+
+
 def test_config_keeps_zero_where_it_means_off():
     assert small(eval_interval=0).eval_interval == 0  # validate only at the end
     assert small(steps=0, eval_batches=None).steps == 0
@@ -199,4 +214,18 @@ def test_a_limits_file_without_its_tables_is_named(tmp_path):
     path = tmp_path / "limits.json"
     path.write_text(json.dumps({"format": LIMITS_FORMAT, "world_size": 1}))
     with pytest.raises(ValueError, match=r'--limits .*limits.json: expected "tables"'):
+        read_limits(path)
+
+
+@pytest.mark.parametrize("seen, message", [
+    ({"max_ids_per_partition": 4}, "has max_unique_ids_per_partition None; expected a count >= 0"),
+    ({"max_ids_per_partition": "x", "max_unique_ids_per_partition": 2}, "has max_ids_per_partition 'x'"),
+    ({"max_ids_per_partition": -3, "max_unique_ids_per_partition": 2}, "has max_ids_per_partition -3"),
+])
+def test_a_limits_files_bad_counts_are_named(tmp_path, seen, message):
+    from models.train import LIMITS_FORMAT, read_limits
+
+    path = tmp_path / "limits.json"
+    path.write_text(json.dumps({"format": LIMITS_FORMAT, "tables": {"t_cat_0": seen}}))
+    with pytest.raises(ValueError, match=rf"--limits .*limits.json: table 't_cat_0' {message}"):
         read_limits(path)
