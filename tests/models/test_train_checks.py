@@ -229,3 +229,9 @@ def test_a_limits_files_bad_counts_are_named(tmp_path, seen, message):
     path.write_text(json.dumps({"format": LIMITS_FORMAT, "tables": {"t_cat_0": seen}}))
     with pytest.raises(ValueError, match=rf"--limits .*limits.json: table 't_cat_0' {message}"):
         read_limits(path)
+
+
+def test_tables_past_the_devices_memory_end_with_its_message_not_a_traceback(capsys):
+    assert main([*small_argv(), "--steps", "1", "--scale", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert "error: tpu:0 out of memory" in err and "--scale" in err and "Traceback" not in err
