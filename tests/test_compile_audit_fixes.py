@@ -368,3 +368,21 @@ def test_a_graph_runs_on_the_one_device_its_tensors_are_on():
     out = single(runner())
     assert out.device == torch.device("tpu:1")
     torch.testing.assert_close(out.cpu(), torch.full((3,), 3.0))
+
+
+@pytest.mark.parametrize("literal", [
+    lambda x: torch.tensor([1.0, 2.0, 3.0], device=x.device),
+    lambda x: torch.as_tensor([0.5, -1.0, 2.0], device=x.device),
+    lambda x: torch.tensor(2.0, device=x.device),
+], ids=["tensor", "as_tensor", "scalar"])
+def test_a_tensor_literal_made_on_the_tpu_compiles(literal):
+    """A constant built on the tpu inside the function: the CPU compile traced it as a tpu
+    tensor among CPU examples and failed (FakeTensorDeviceMismatchError) where eager works."""
+    def f(x):
+        return x * 3 + literal(x)
+
+    x = torch.randn(3, device="tpu")
+    with torch.tpu.precision("highest"):
+        got = torch.compile(f, backend="tpu")(x)
+        torch.testing.assert_close(got.cpu(), f(x).cpu())
+    assert got.device == x.device

@@ -186,3 +186,46 @@ def test_concurrent_writers_leave_whole_entries(tmp_path):
     assert entries and not list(local.glob(".*.tmp"))
     for entry in entries:
         cc.decode_entry(entry.read_bytes(), entry.stem)
+
+
+def test_a_persist_false_entry_stays_in_process(tmp_path):
+    local = tmp_path / "local"
+    cache = cc.CompileCache(local, None, load=load_fake)
+    compiles: list = []
+    assert cache.get("k", counting_compile(b"A", compiles), persist=False)() == b"A"
+    assert cache.get("k", counting_compile(b"B", compiles), persist=False)() == b"A"  # the in-process tier
+    assert compiles == [b"A"] and not list(local.glob("*.bin"))
+    assert cache.stats["local"].misses == 0  # the file tier is not even read
+
+
+CONSTANTS_WORKER = r"""
+import json
+import torch, torch_tpu
+from torch_tpu.compile_cache import compile_cache_stats
+
+def f(x):
+    return x * torch.tensor(2.0) + torch.tensor([[1.0, 2.0, 3.0, 4.0]]).to(x.device)
+
+def g(x):  # the same constant bytes in another shape
+    return x * torch.tensor(2.0) + torch.tensor([1.0, 2.0, 3.0, 4.0]).to(x.device)
+
+x = torch.randn(4, device="tpu")
+out = [torch.compile(fn, backend="tpu")(x) for fn in (g, f)]
+ok = [bool(torch.equal(o.cpu(), fn(x).cpu())) and o.shape == fn(x).shape for o, fn in zip(out, (g, f))]
+print(json.dumps({"ok": ok, "shapes": [list(o.shape) for o in out], "stats": compile_cache_stats()}))
+"""
+
+
+def test_graphs_with_tensor_constants_compile_in_every_process_and_keep_their_shapes(tmp_path):
+    """A constant's geometry is part of the key ([1, 2, 3, 4] and [[1, 2, 3, 4]] hold the same
+    bytes: the second graph got the first's code and returned shape (4,)). Such graphs stay in
+    the in-process tier: a saved artifact loses its constants, and a second process loading it
+    from the local tier crashed in Inductor's wrapper."""
+    env = dict(os.environ, TORCH_TPU_LOCAL_CACHE_DIR=str(tmp_path / "local"))
+    env.pop(cc.REMOTE_DIR_VARIABLE, None)
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", CONSTANTS_WORKER], env=env, capture_output=True, text=True,
+                             timeout=240)
+        assert run.returncode == 0, run.stderr[-3000:]
+        result = json.loads(run.stdout.strip().splitlines()[-1])
+        assert result["ok"] == [True, True] and result["shapes"] == [[4], [1, 4]]

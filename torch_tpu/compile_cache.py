@@ -150,14 +150,15 @@ class CompileCache:
     def _dirs(self) -> list[tuple[str, Path]]:
         return [(tier, d) for tier, d in (("local", self.local), ("remote", self.remote)) if d is not None]
 
-    def get(self, key: str, compile: Callable[[], Any]) -> Callable[..., Any]:
-        """The compiled callable for `key`, compiling it (once) on a miss everywhere."""
+    def get(self, key: str, compile: Callable[[], Any], persist: bool = True) -> Callable[..., Any]:
+        """The compiled callable for `key`, compiling it (once) on a miss everywhere.
+        ``persist=False``: the in-process tier only (neither read from nor written to files)."""
         with self._lock:
             if key in self._memory:
                 self.stats["memory"].hits += 1
                 return self._memory[key]
             self.stats["memory"].misses += 1
-            payload, missed = self._read_files(key)
+            payload, missed = self._read_files(key) if persist else (None, [])
             fn = None
             if payload is not None:
                 found = next(tier for tier, _ in self._dirs() if tier not in missed)
@@ -170,7 +171,7 @@ class CompileCache:
                     missed = [tier for tier, _ in self._dirs()]
             if fn is None:
                 artifact = compile()
-                payload = _artifact_bytes(artifact)
+                payload = _artifact_bytes(artifact) if persist else None
                 fn = artifact
             for tier, d in self._dirs():
                 if tier in missed and payload is not None:
@@ -267,7 +268,8 @@ def graph_key(gm: torch.fx.GraphModule, example_inputs: list[Any], salt: str = "
         if node.op == "get_attr":
             value = getattr(gm, node.target, None)
             if isinstance(value, torch.Tensor):
-                h.update(node.target.encode())
+                # Its geometry too: [1, 2, 3, 4] and [[1, 2, 3, 4]] have the same bytes.
+                h.update(repr((node.target, tuple(value.shape), value.stride(), value.dtype)).encode())
                 h.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     for t in example_inputs:
         if isinstance(t, torch.Tensor):

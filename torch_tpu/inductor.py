@@ -230,9 +230,30 @@ def graph_device(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], device
     return found.pop() if found else torch.tpu.current_device()
 
 
+def _tensor_constants(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
+    """The tensors the graph's get_attr nodes read (constants: ``torch.tensor(...)`` in the
+    traced code), by target."""
+    out = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = operator.attrgetter(node.target)(gm)
+            if isinstance(value, torch.Tensor):
+                out[node.target] = value
+    return out
+
+
+def _constants_to_host(gm: torch.fx.GraphModule) -> None:
+    """tpu tensor constants become CPU copies: the CPU compile traces the graph with CPU
+    example inputs, and a tpu constant met there failed it on a device mismatch."""
+    for target, value in _tensor_constants(gm).items():
+        if value.device.type == "tpu":
+            owner, _, name = target.rpartition(".")
+            setattr(gm.get_submodule(owner) if owner else gm, name, value.cpu())
+
+
 def host_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of an ATen graph for the CPU compiler: tpu devices become cpu,
-    matmul-family nodes their MXU ops, reduced-precision normalizations keep the
+    """A copy of an ATen graph for the CPU compiler: tpu devices and tensor constants
+    become cpu ones, matmul-family nodes their MXU ops, reduced-precision normalizations keep the
     tpu's fp32 statistics (``torch_tpu.host_norms``), and 0-d math that large
     kernels read is computed once per call (``torch_tpu.scalar_hoisting``). Raises
     NotCompilable for an fp32 matmul-family op without an MXU op."""
@@ -248,6 +269,7 @@ def host_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             node.target = MXU_OPS[packet].default
         elif packet in UNMAPPED_MXU_OPS and _is_fp32_mxu(node):
             raise NotCompilable(f"{node.target} at fp32 has no MXU-precision op in compiled graphs")
+    _constants_to_host(host)
     norms_at_fp32(host)
     host.recompile()
     hoist_scalar_math(host)
@@ -395,8 +417,11 @@ def compile_host(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     # size_asserts is part of our key (Inductor's configuration), the tag of Inductor's caches too.
     with torch._inductor.config.patch(size_asserts=size_asserts), torch.compiler.config.patch(cache_key_tag=tag):
         key = graph_key(host, examples, salt=tag)
+        # A saved artifact loses the graph's tensor constants (torch 2.13's CompiledArtifact:
+        # loaded, its wrapper fails on them), so such a graph stays in the in-process tier.
         return compile_cache().get(
-            key, lambda: torch._inductor.standalone_compile(host, examples, dynamic_shapes="from_example_inputs")
+            key, lambda: torch._inductor.standalone_compile(host, examples, dynamic_shapes="from_example_inputs"),
+            persist=not _tensor_constants(host),
         )
 
 
