@@ -386,3 +386,26 @@ def test_a_tensor_literal_made_on_the_tpu_compiles(literal):
         got = torch.compile(f, backend="tpu")(x)
         torch.testing.assert_close(got.cpu(), f(x).cpu())
     assert got.device == x.device
+
+
+def test_cpu_outputs_keep_their_aliasing_and_strides(monkeypatch):
+    """CPU outputs of a compiled tpu graph that are views of one another (a slice, a transpose,
+    an expand) come back as the same views of one copy, as eager's: they were cloned one by
+    one (independent copies, an expand materialized)."""
+    def f(x):
+        y = (x * 2).cpu()
+        return y, y[1:], y.t(), y[:, ::2], y.expand(2, 4, 3)
+
+    x = torch.randn(4, 3, device="tpu")
+    torch.use_deterministic_algorithms(True)  # the compiled variant on every call
+    try:
+        outs = torch.compile(f, backend="tpu")(x)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    want = f(x)
+    assert [o.stride() for o in outs] == [w.stride() for w in want]
+    assert all(o.untyped_storage().data_ptr() == outs[0].untyped_storage().data_ptr() for o in outs)
+    for o, w in zip(outs, want):
+        torch.testing.assert_close(o, w)
+    outs[0][1, 0] = 100.0
+    assert outs[1][0, 0] == 100.0 and outs[2][0, 1] == 100.0 and outs[4][1, 1, 0] == 100.0

@@ -532,13 +532,28 @@ class HostRunner:
         adopted = torch.ops.torch_tpu._adopt_host_results([flat[i] for i in slots], self.device)
         for i, t in zip(slots, adopted):
             flat[i] = t
-        for i in self._other_slots:
-            o = flat[i]
-            if isinstance(o, torch.Tensor) and o.device.type == "cpu":
-                flat[i] = o.clone()  # a cpu output: out of the tpu memory it was allocated in
+        cpu = [i for i in self._other_slots if isinstance(flat[i], torch.Tensor) and flat[i].device.type == "cpu"]
+        for i, t in zip(cpu, _copied_out([flat[i] for i in cpu])):
+            flat[i] = t
         if spec is None:
             return type(outputs)(flat) if isinstance(outputs, tuple) else flat
         return torch.utils._pytree.tree_unflatten(flat, spec)
+
+
+def _copied_out(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """CPU outputs, out of the tpu memory they were allocated in, as the graph made them: each
+    storage is copied once and every output over it is the same view of the copy, so outputs
+    that alias one another still do, with their strides and offsets (a clone apiece made
+    copies of views and materialized expands)."""
+    copies: dict[int, torch.UntypedStorage] = {}
+    out = []
+    for t in tensors:
+        storage = t.untyped_storage()
+        copy = copies.get(storage.data_ptr())
+        if copy is None:
+            copy = copies[storage.data_ptr()] = storage.clone()
+        out.append(torch.empty(0, dtype=t.dtype).set_(copy, t.storage_offset(), t.size(), t.stride()))
+    return out
 
 
 class ChoosingRunner(TimedChoice):
