@@ -34,6 +34,7 @@ import hashlib
 import importlib.metadata
 import json
 import logging
+import operator
 import os
 import tempfile
 import threading
@@ -259,18 +260,27 @@ def compile_cache_stats() -> dict[str, dict[str, int]]:
     return {tier: dataclasses.asdict(s) for tier, s in compile_cache().stats.items()}
 
 
+def tensor_constants(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
+    """The tensors the graph's get_attr nodes read (constants: ``torch.tensor(...)`` in the
+    traced code), by target."""
+    out = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = operator.attrgetter(node.target)(gm)
+            if isinstance(value, torch.Tensor):
+                out[node.target] = value
+    return out
+
+
 def graph_key(gm: torch.fx.GraphModule, example_inputs: list[Any], salt: str = "") -> str:
     """A key over the graph's code and constants, its inputs' shapes, strides
     and dtypes, scalar arguments, the versions and Inductor's configuration."""
     h = hashlib.sha256()
     h.update(gm.code.encode())
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            value = getattr(gm, node.target, None)
-            if isinstance(value, torch.Tensor):
-                # Its geometry too: [1, 2, 3, 4] and [[1, 2, 3, 4]] have the same bytes.
-                h.update(repr((node.target, tuple(value.shape), value.stride(), value.dtype)).encode())
-                h.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    for target, value in tensor_constants(gm).items():
+        # Its geometry too: [1, 2, 3, 4] and [[1, 2, 3, 4]] have the same bytes.
+        h.update(repr((target, tuple(value.shape), value.stride(), value.dtype)).encode())
+        h.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     for t in example_inputs:
         if isinstance(t, torch.Tensor):
             h.update(repr((tuple(t.shape), t.stride(), t.dtype, t.device.type)).encode())

@@ -54,7 +54,7 @@ import torch
 import torch.fx
 
 from torch_tpu import direct_run
-from torch_tpu.compile_cache import compile_cache, graph_key
+from torch_tpu.compile_cache import compile_cache, graph_key, tensor_constants
 from torch_tpu.graph_ops import is_graph_op
 from torch_tpu.host_norms import norms_at_fp32
 from torch_tpu.scalar_hoisting import hoist_scalar_math
@@ -230,22 +230,10 @@ def graph_device(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], device
     return found.pop() if found else torch.tpu.current_device()
 
 
-def _tensor_constants(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
-    """The tensors the graph's get_attr nodes read (constants: ``torch.tensor(...)`` in the
-    traced code), by target."""
-    out = {}
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            value = operator.attrgetter(node.target)(gm)
-            if isinstance(value, torch.Tensor):
-                out[node.target] = value
-    return out
-
-
 def _constants_to_host(gm: torch.fx.GraphModule) -> None:
     """tpu tensor constants become CPU copies: the CPU compile traces the graph with CPU
     example inputs, and a tpu constant met there failed it on a device mismatch."""
-    for target, value in _tensor_constants(gm).items():
+    for target, value in tensor_constants(gm).items():
         if value.device.type == "tpu":
             owner, _, name = target.rpartition(".")
             setattr(gm.get_submodule(owner) if owner else gm, name, value.cpu())
@@ -421,7 +409,7 @@ def compile_host(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         # loaded, its wrapper fails on them), so such a graph stays in the in-process tier.
         return compile_cache().get(
             key, lambda: torch._inductor.standalone_compile(host, examples, dynamic_shapes="from_example_inputs"),
-            persist=not _tensor_constants(host),
+            persist=not tensor_constants(host),
         )
 
 
