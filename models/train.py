@@ -296,7 +296,6 @@ def build_model(cfg: TrainConfig, data: Data, device: torch.device) -> torch.nn.
 
 LIMITS_FILENAME = "sparsecore_limits.json"
 LIMITS_FORMAT = "torch_tpu.sparsecore-limits.v1"
-LIMIT_KEYS = ("max_ids_per_partition", "max_unique_ids_per_partition")
 CHECKPOINT_ENTRIES = ("config", "step", "model", "embedding_optimizer", "dense_optimizer")
 """What a single-process checkpoint holds; a resume refuses one that lacks any."""
 
@@ -312,11 +311,10 @@ def read_limits(path: Path) -> dict[str, dict[str, int]]:
     tables = payload.get("tables")
     if not isinstance(tables, dict) or not all(isinstance(v, dict) for v in tables.values()):
         raise ValueError(f"--limits {path}: expected \"tables\": {{table: {{limit: count}}}}, got {tables!r:.80}")
-    for table, seen in tables.items():
-        for key in LIMIT_KEYS:
-            value = seen.get(key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"--limits {path}: table {table!r} has {key} {value!r}; expected a count >= 0")
+    try:
+        sparsecore.config.check_observed_limits(tables)
+    except ValueError as error:
+        raise ValueError(f"--limits {path}: {error}") from error
     return tables
 
 

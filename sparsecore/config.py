@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import dataclasses
 from typing import Any, Literal
 
@@ -151,24 +152,39 @@ def as_sparsecore_config(config: SparseCoreEmbeddingConfig | TorchRecConfig) -> 
     return SparseCoreEmbeddingConfig(config=config)
 
 
+OBSERVED_LIMIT_KEYS = ("max_ids_per_partition", "max_unique_ids_per_partition")
+"""What ``observed_limits()`` reports per table, and ``with_observed_limits`` reads."""
+
+
+def check_observed_limits(observed: dict[str, dict[str, int]]) -> None:
+    """Refuses observed limits (read back from a file, say) whose counts are missing, not
+    integers or negative, naming the table, the key and the value."""
+    for table, seen in observed.items():
+        for key in OBSERVED_LIMIT_KEYS:
+            value = seen.get(key)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"table {table!r} has {key} {value!r}; expected a count >= 0")
+
+
 def with_observed_limits(tables: list[SparseCoreEmbeddingConfig], observed: dict[str, dict[str, int]],
                          headroom: float = 1.25) -> list[SparseCoreEmbeddingConfig]:
     """The tables with their partition limits taken from ``observed`` (a module's
     ``observed_limits()`` from an earlier run, e.g. read back from its JSON) times
     ``headroom``, rounded up; tables it does not name keep their limits."""
-    if headroom < 1.0:
+    if not headroom >= 1.0:  # NaN too
         raise ValueError(f"headroom {headroom}: expected >= 1.0 (below the observed maxima, batches like the "
                          "observed ones would exceed the limits)")
     unknown = sorted(set(observed) - {t.name for t in tables})
     if unknown:
         raise ValueError(f"limits for unknown tables {unknown}; the tables are {[t.name for t in tables]}")
+    check_observed_limits(observed)
     out = []
     for t in tables:
         seen = observed.get(t.name)
         if seen is None:
             out.append(t)
             continue
-        ids = max(1, math.ceil(int(seen["max_ids_per_partition"]) * headroom))
-        unique = min(ids, max(1, math.ceil(int(seen["max_unique_ids_per_partition"]) * headroom)))
+        ids = max(1, math.ceil(seen["max_ids_per_partition"] * headroom))
+        unique = min(ids, max(1, math.ceil(seen["max_unique_ids_per_partition"] * headroom)))
         out.append(dataclasses.replace(t, max_ids_per_partition=ids, max_unique_ids_per_partition=unique))
     return out
